@@ -1,0 +1,1 @@
+"""ddpdash's metrics store: engine factory, models, migrations, writer and queries."""

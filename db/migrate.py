@@ -1,0 +1,61 @@
+"""Schema migrations (Alembic) applied programmatically, with an actionable message when they cannot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+
+class SchemaError(RuntimeError):
+    """The database's schema is not one this version of ddpdash can use."""
+
+
+def _alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine) -> None:
+    """Bring the database to the newest schema; safe to call from several processes at start-up."""
+    known = {s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+    current = current_revision(engine)
+    if current == head_revision():
+        return
+    if current is not None and current not in known:
+        raise SchemaError(
+            f"database {engine.url.render_as_string(hide_password=True)} has schema revision {current}, "
+            "made by a newer ddpdash: upgrade ddpdash (pip install -U ddpdash) or point DDPDASH_DB_URL "
+            "at another database"
+        )
+    cfg = _alembic_config()
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+    except Exception as exc:
+        if current_revision(engine) == head_revision():
+            return  # another process migrated it first
+        raise SchemaError(
+            f"could not migrate database {engine.url.render_as_string(hide_password=True)} from "
+            f"revision {current or 'empty'} to {head_revision()}: {exc}. Back it up, then move it "
+            "aside (or set DDPDASH_DB_URL to a new database) and start again"
+        ) from exc

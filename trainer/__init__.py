@@ -1,0 +1,1 @@
+"""ddpdash's trainer: what torchrun runs, plus the launcher and CLI that start it."""

@@ -1,0 +1,267 @@
+"""The `ddpdash` command line: thin over the launcher and the queries.
+
+    ddpdash launch --num-procs 2 --model mlp --max-steps 200 --wait
+    ddpdash runs | show RUN | stop RUN | logs RUN [--rank N] [--follow] | export RUN --format csv|json
+    ddpdash ui [--port 8501] [--address 127.0.0.1]
+
+Every run flag of `launch` is derived from RunConfig's fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from db.migrate import SchemaError
+from db.queries import FINAL_STATUSES, RunNotFound, all_points, events, get_run, list_runs, open_store, rank_states
+from trainer.config import ConfigInvalid, RunConfig, config_fields, detect_machine, field_choices, field_kind
+
+EXIT_BAD_INPUT = 2
+
+
+class CliError(Exception):
+    """One clear line for the user, and a non-zero exit."""
+
+
+# ---- flags derived from RunConfig ----------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated GPU indices like 0,1 — got {text!r}") from None
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_argument_group("run settings (override --config; defaults in brackets)")
+    default = RunConfig()
+    for f in config_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kind = field_kind(f)
+        help_text = f"{f.metadata['help']} [{getattr(default, f.name)!r}]".replace("%", "%%")
+        if kind == "bool":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif kind == "choice":
+            group.add_argument(flag, dest=f.name, choices=field_choices(f), default=None, help=help_text)
+        elif kind == "int_list":
+            group.add_argument(flag, dest=f.name, type=_int_list, default=None, help=help_text, metavar="I,J")
+        else:
+            typ = {"int": int, "float": float, "str": str}[kind]
+            group.add_argument(flag, dest=f.name, type=typ, default=None, help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    base: dict[str, Any] = {}
+    if args.config:
+        try:
+            base = json.loads(Path(args.config).read_text())
+        except OSError as exc:
+            raise CliError(f"cannot read --config {args.config}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise CliError(f"--config {args.config} is not valid JSON: {exc}") from exc
+        if not isinstance(base, dict):
+            raise CliError(f"--config {args.config} must hold a JSON object of settings")
+    overrides = {f.name: getattr(args, f.name) for f in config_fields() if getattr(args, f.name) is not None}
+    return RunConfig.from_dict({**base, **overrides})
+
+
+# ---- commands -------------------------------------------------------------------------------------
+def cmd_launch(engine: Engine, args: argparse.Namespace) -> int:
+    from trainer.launcher import launch
+
+    cfg = config_from_args(args)
+    run_id = launch(engine, cfg, detect_machine())
+    print(run_id, flush=True)
+    if not args.wait:
+        return 0
+    return wait_with_progress(engine, run_id)
+
+
+def wait_with_progress(engine: Engine, run_id: int, out: Any = None) -> int:
+    out = out or sys.stderr
+    while True:
+        with Session(engine) as s:
+            run = get_run(s, run_id)
+            states = rank_states(s, run_id)
+            loss = _last_value(s, run_id, "loss")
+            speed = _last_value(s, run_id, "samples_per_s", reduce="sum")
+        done = int(states["step"].min()) if len(states) else 0
+        total = run.total_steps or 0
+        frac = done / total if total else 0.0
+        bar = "#" * int(frac * 30)
+        line = f"\rrun {run_id} [{bar:<30}] {done}/{total or '?'} steps  {run.status}"
+        if loss is not None:
+            line += f"  loss {loss:.4g}"
+        if speed is not None:
+            line += f"  {speed:,.0f} samples/s"
+        out.write(line.ljust(100))
+        out.flush()
+        if run.status in FINAL_STATUSES:
+            out.write("\n")
+            if run.status != "succeeded":
+                first_line = run.error.strip().splitlines()[0] if run.error.strip() else ""
+                out.write(f"run {run_id} {run.status}" + (f": {first_line}" if first_line else "") + "\n")
+            return 0 if run.status == "succeeded" else 1
+        time.sleep(0.5)
+
+
+def _last_value(s: Session, run_id: int, name: str, reduce: str = "mean") -> float | None:
+    from db.queries import metric_series
+
+    df = metric_series(s, run_id, name, max_points=50)
+    if df.empty:
+        return None
+    last = df.sort_values("step").groupby("rank").tail(1)["value"]
+    return float(last.sum() if reduce == "sum" else last.mean())
+
+
+def cmd_runs(engine: Engine, args: argparse.Namespace) -> int:
+    with Session(engine) as s:
+        runs = list_runs(s, limit=args.limit)
+    if not runs:
+        print("no runs yet: start one with `ddpdash launch` or `ddpdash ui`")
+        return 0
+    print(f"{'id':>5}  {'status':<10} {'ranks':>5}  {'model':<12} {'started':<19}  name")
+    for r in runs:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at or r.created_at))
+        print(f"{r.id:>5}  {r.status:<10} {r.world_size:>5}  {r.config.get('model', '?'):<12} {started:<19}  {r.name}")
+    return 0
+
+
+def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
+    with Session(engine) as s:
+        run = get_run(s, args.run)
+        states = rank_states(s, args.run)
+        evs = events(s, args.run)
+    print(f"run {run.id}: {run.name}  [{run.status}]")
+    print(f"  folder   {run.run_dir}")
+    print(f"  ranks    {run.world_size}   steps {run.total_steps or '?'}")
+    if run.failed_ranks:
+        print(f"  failed   rank(s) {list(run.failed_ranks)}")
+    for row in states.itertuples(index=False):
+        print(f"  rank {row.rank}: {row.status:<8} step {row.step:<7} {row.device} pid {row.pid} on {row.host}")
+    for ev in evs.itertuples(index=False):
+        stamp = time.strftime("%H:%M:%S", time.localtime(ev.time))
+        rank = f" rank {int(ev.rank)}" if ev.rank == ev.rank and ev.rank is not None else ""
+        print(f"  {stamp} {ev.kind}{rank}: {ev.message}")
+    if run.error:
+        print("  error:\n    " + run.error.strip().replace("\n", "\n    "))
+    print("  config: " + json.dumps(run.config, sort_keys=True))
+    return 0
+
+
+def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:
+    from trainer.launcher import stop
+
+    status = stop(engine, args.run)
+    print(f"run {args.run} {status}")
+    return 0
+
+
+def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
+    from trainer.launcher import rank_log_path
+
+    with Session(engine) as s:
+        run = get_run(s, args.run)
+    if not 0 <= args.rank < run.world_size:
+        raise CliError(f"--rank must be between 0 and {run.world_size - 1} for run {run.id}")
+    path = rank_log_path(Path(run.run_dir), args.rank, args.stream)
+    if path is None:
+        raise CliError(f"run {run.id} has no {args.stream} log for rank {args.rank} yet")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        sys.stdout.write(f.read())
+        while args.follow:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+                continue
+            with Session(engine) as s:
+                if get_run(s, run.id).status in FINAL_STATUSES:
+                    break
+            time.sleep(0.5)
+    return 0
+
+
+def cmd_export(engine: Engine, args: argparse.Namespace) -> int:
+    with Session(engine) as s:
+        get_run(s, args.run)
+        df = all_points(s, args.run)
+    text = df.to_csv(index=False) if args.format == "csv" else df.to_json(orient="records", indent=None)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from dashboard.serve import serve
+
+    return serve(port=args.port, address=args.address)
+
+
+# ---- parser -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ddpdash", description="Configure, launch, watch and compare DDP runs.")
+    p.add_argument("--db-url", help="SQLAlchemy URL (default: $DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    launch = sub.add_parser("launch", help="start a run (prints its id)")
+    launch.add_argument("--config", help="a JSON file of run settings; flags override it")
+    launch.add_argument("--wait", action="store_true", help="show progress and exit with the run's outcome")
+    add_config_flags(launch)
+
+    runs = sub.add_parser("runs", help="list runs")
+    runs.add_argument("--limit", type=int, default=50)
+    for name, help_text in (("show", "a run's status, ranks, events and config"), ("stop", "stop a run")):
+        sub.add_parser(name, help=help_text).add_argument("run", type=int, metavar="RUN")
+    logs = sub.add_parser("logs", help="a rank's log")
+    logs.add_argument("run", type=int, metavar="RUN")
+    logs.add_argument("--rank", type=int, default=0)
+    logs.add_argument("--stream", choices=("stderr", "stdout"), default="stderr")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
+    export = sub.add_parser("export", help="a run's metric points as CSV or JSON (rank, step, metric, value, time)")
+    export.add_argument("run", type=int, metavar="RUN")
+    export.add_argument("--format", choices=("csv", "json"), default="csv")
+    export.add_argument("--output", "-o", help="write to this file instead of standard output")
+    ui = sub.add_parser("ui", help="start the dashboard")
+    ui.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8501)))
+    ui.add_argument("--address", default=os.environ.get("DDPDASH_ADDRESS", "127.0.0.1"))
+    return p
+
+
+COMMANDS = {"launch": cmd_launch, "runs": cmd_runs, "show": cmd_show, "stop": cmd_stop, "logs": cmd_logs,
+            "export": cmd_export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "ui":
+            return cmd_ui(args)
+        engine = open_store(args.db_url)
+        from trainer.launcher import reconcile
+
+        reconcile(engine)
+        return COMMANDS[args.command](engine, args)
+    except ConfigInvalid as exc:
+        for e in exc.errors:
+            print(f"ddpdash: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (CliError, RunNotFound, SchemaError) as exc:
+        print(f"ddpdash: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,329 @@
+"""RunConfig: the single source of truth for a run.
+
+The dashboard form, the CLI flags, validation, the stored JSON and the torchrun argv are all
+derived from the dataclass below; each field's metadata carries its help text, choices and the
+form section it belongs to. This module imports nothing heavy (no torch) so the CLI and UI stay fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+Backend = Literal["auto", "nccl", "gloo"]
+Amp = Literal["off", "bf16", "fp16"]
+Optimizer = Literal["sgd", "adam", "adamw"]
+Model = Literal["linear", "mlp", "cnn", "transformer"]
+Dataset = Literal["auto", "regression", "digits", "text"]
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+
+# The data each model trains on; "auto" picks the first.
+MODEL_DATASETS: dict[str, tuple[str, ...]] = {
+    "linear": ("regression",),
+    "mlp": ("digits", "regression"),
+    "cnn": ("digits",),
+    "transformer": ("text",),
+}
+MAX_PROCS_PER_CORE = 4
+
+
+def _f(default: Any, help: str, section: str = "Training", **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, "section": section, **extra})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = _f("ddp-run", "A name to find the run by.", "Run")
+    devices: tuple[int, ...] = _f(
+        (), "CUDA device indices, one rank each (empty: CPU processes).", "Devices", list=True
+    )
+    num_procs: int = _f(2, "Number of CPU processes (ranks); set from devices when GPUs are chosen.", "Devices")
+    backend: Backend = _f("auto", "Process-group backend; auto = nccl with CUDA devices, else gloo.", "Devices")
+    model: Model = _f("mlp", "Model: linear (seed example), mlp/cnn (digits), transformer (text LM).", "Model")
+    dataset: Dataset = _f("auto", "Data set; auto picks the model's own.", "Model")
+    width: int = _f(64, "Hidden width (mlp units, cnn channels, transformer d_model).", "Model", min=1)
+    depth: int = _f(2, "Number of hidden layers / transformer blocks.", "Model", min=1)
+    seq_len: int = _f(64, "Transformer context length in tokens.", "Model", min=2)
+    num_heads: int = _f(4, "Transformer attention heads (must divide width).", "Model", min=1)
+    num_samples: int = _f(4096, "Synthetic regression samples.", "Model", min=16)
+    batch_size: int = _f(32, "Batch size per rank (global batch = batch × ranks × accumulation).", min=1)
+    amp: Amp = _f("off", "Mixed precision: bf16 (CPU or recent GPU) or fp16 with GradScaler (CUDA).")
+    optimizer: Optimizer = _f("sgd", "Optimizer.")
+    lr: float = _f(0.05, "Base learning rate (per single-rank batch).", min=0.0)
+    scale_lr: bool = _f(True, "Linear scaling rule: effective lr = lr × world size.")
+    warmup_steps: int = _f(0, "Linear lr warm-up steps (helps large scaled lrs).", min=0)
+    num_epochs: int = _f(0, "Epochs to train (0: bounded by max_steps alone).", min=0)
+    max_steps: int = _f(200, "Optimizer steps to train (0: bounded by num_epochs alone).", min=0)
+    seed: int = _f(0, "Random seed (same on every rank, so replicas start identical).", min=0)
+    num_workers: int = _f(0, "DataLoader worker processes per rank.", min=0)
+    grad_accum_steps: int = _f(1, "Micro-batches per optimizer step (no_sync between).", "Advanced DDP", min=1)
+    bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MB.", "Advanced DDP", min=0.0)
+    find_unused_parameters: bool = _f(False, "Let DDP look for parameters unused in forward.", "Advanced DDP")
+    gradient_as_bucket_view: bool = _f(False, "Gradients as views into DDP buckets (saves memory).", "Advanced DDP")
+    static_graph: bool = _f(False, "Tell DDP the graph never changes between steps.", "Advanced DDP")
+    comm_hook: CommHook = _f("none", "Gradient communication hook (bf16 needs nccl).", "Advanced DDP")
+    log_every: int = _f(1, "Log metrics every N steps.", "Advanced DDP", min=1)
+    checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0: never).", "Advanced DDP", min=0)
+    sync_check_every: int = _f(50, "Compare parameter checksums across ranks every N steps (0: never).",
+                               "Advanced DDP", min=0)
+    max_restarts: int = _f(0, "Times torchrun restarts the group after a rank fails.", "Advanced DDP", min=0)
+    pg_timeout_s: int = _f(120, "Process-group timeout in seconds (a hang fails after this).", "Advanced DDP",
+                           min=10)
+
+    def __post_init__(self) -> None:
+        # Devices decide the world size when GPUs are chosen: one source, no second count to agree.
+        if self.devices and self.num_procs != len(self.devices):
+            object.__setattr__(self, "num_procs", len(self.devices))
+
+    # ---- derived values -------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.devices) if self.devices else self.num_procs
+
+    @property
+    def uses_cuda(self) -> bool:
+        return bool(self.devices)
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend == "auto":
+            return "nccl" if self.uses_cuda else "gloo"
+        return self.backend
+
+    @property
+    def resolved_dataset(self) -> str:
+        return MODEL_DATASETS[self.model][0] if self.dataset == "auto" else self.dataset
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size * self.grad_accum_steps
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lr * self.world_size if self.scale_lr else self.lr
+
+    # ---- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["devices"] = list(self.devices)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> RunConfig:
+        """Build from plain data, checking every field's type; raises ConfigInvalid naming each field."""
+        if not isinstance(data, dict):
+            raise ConfigInvalid([ConfigError("config", f"must be a JSON object, got {type(data).__name__}")])
+        errors: list[ConfigError] = []
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                errors.append(ConfigError(str(key), f"unknown setting {key!r}; known: {', '.join(known)}"))
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if name in data:
+                try:
+                    values[name] = coerce_field(f, data[name])
+                except ValueError as exc:
+                    errors.append(ConfigError(name, str(exc)))
+        if errors:
+            raise ConfigInvalid(errors)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigInvalid([ConfigError("config", f"is not valid JSON: {exc}")]) from exc
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return RunConfig.from_dict({**self.to_dict(), **changes})
+
+
+# ---- field introspection (the form and the CLI are generated from this) ---------------------
+def config_fields() -> list[dataclasses.Field[Any]]:
+    return list(dataclasses.fields(RunConfig))
+
+
+def field_kind(f: dataclasses.Field[Any]) -> str:
+    """One of: bool, int, float, str, choice, int_list."""
+    hint = typing.get_type_hints(RunConfig)[f.name]
+    if get_origin(hint) is Literal:
+        return "choice"
+    if get_origin(hint) is tuple:
+        return "int_list"
+    return {bool: "bool", int: "int", float: "float", str: "str"}[hint]
+
+
+def field_choices(f: dataclasses.Field[Any]) -> tuple[str, ...]:
+    hint = typing.get_type_hints(RunConfig)[f.name]
+    return tuple(get_args(hint)) if get_origin(hint) is Literal else ()
+
+
+def coerce_field(f: dataclasses.Field[Any], value: Any) -> Any:
+    """Check (and gently convert) one raw value for a field; ValueError says what was expected."""
+    kind = field_kind(f)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"must be true or false, got {value!r}")
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ValueError(f"must be a whole number, got {value!r}")
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"must be a number, got {value!r}")
+        return float(value)
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"must be text, got {value!r}")
+        return value
+    if kind == "choice":
+        choices = field_choices(f)
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+        return value
+    if kind == "int_list":
+        if not isinstance(value, list | tuple) or any(
+            isinstance(v, bool) or not isinstance(v, int) for v in value
+        ):
+            raise ValueError(f"must be a list of whole numbers, got {value!r}")
+        return tuple(value)
+    raise AssertionError(kind)  # pragma: no cover
+
+
+# ---- validation ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConfigError:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.message}"
+
+
+class ConfigInvalid(ValueError):
+    """One or more settings are wrong; `errors` names each field and the fix."""
+
+    def __init__(self, errors: list[ConfigError]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+    def by_field(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for e in self.errors:
+            out.setdefault(e.field, []).append(e.message)
+        return out
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers; validation checks a config against it."""
+
+    cpu_count: int
+    gpus: tuple[tuple[str, float], ...] = ()  # (name, memory GiB) per CUDA index
+    bf16_gpu: bool = False
+    nccl: bool = False
+
+    @property
+    def has_cuda(self) -> bool:
+        return bool(self.gpus)
+
+
+def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
+    errors: list[ConfigError] = []
+
+    def err(name: str, message: str) -> None:
+        errors.append(ConfigError(name, message))
+
+    for f in config_fields():
+        low = f.metadata.get("min")
+        value = getattr(cfg, f.name)
+        if low is not None and value < low:
+            err(f.name, f"must be ≥ {low}, got {value}")
+    if not cfg.name.strip():
+        err("name", "must not be empty")
+    elif len(cfg.name) > 200 or not cfg.name.isprintable():
+        err("name", "must be at most 200 printable characters")
+
+    if cfg.devices:
+        if len(set(cfg.devices)) != len(cfg.devices):
+            err("devices", f"lists a GPU twice: {list(cfg.devices)}")
+        if not machine.has_cuda:
+            err("devices", "names CUDA GPUs but this machine has none; leave devices empty and set num_procs")
+        else:
+            missing = [d for d in cfg.devices if d < 0 or d >= len(machine.gpus)]
+            if missing:
+                top_index = len(machine.gpus) - 1
+                err("devices", f"GPU index {missing} does not exist; this machine has indices 0–{top_index}")
+    else:
+        top = machine.cpu_count * MAX_PROCS_PER_CORE
+        if cfg.num_procs > top:
+            err("num_procs", f"{cfg.num_procs} processes on {machine.cpu_count} cores would thrash; use at most {top}")
+
+    if cfg.resolved_backend == "nccl":
+        if not machine.has_cuda:
+            err("backend", "nccl needs CUDA GPUs and this machine has none; use gloo (or auto)")
+        elif not cfg.devices:
+            err("backend", "nccl needs GPUs: choose devices, or use gloo for CPU processes")
+        elif not machine.nccl:
+            err("backend", "this PyTorch build has no NCCL; use gloo")
+
+    if cfg.amp == "fp16" and not cfg.uses_cuda:
+        err("amp", "fp16 on CPU is 20–30× slower than fp32; use bf16 on CPU (fp16 with GradScaler is for CUDA)")
+    if cfg.amp == "bf16" and cfg.uses_cuda and machine.has_cuda and not machine.bf16_gpu:
+        err("amp", "these GPUs do not support bf16; use fp16")
+
+    if cfg.comm_hook == "bf16" and cfg.resolved_backend != "nccl":
+        err("comm_hook", "the bf16 compression hook needs CUDA and nccl; use fp16 or powersgd with gloo")
+
+    if cfg.dataset != "auto" and cfg.dataset not in MODEL_DATASETS[cfg.model]:
+        err("dataset", f"{cfg.model} trains on {' or '.join(MODEL_DATASETS[cfg.model])}, not {cfg.dataset}")
+    if cfg.model == "transformer" and cfg.width % max(cfg.num_heads, 1):
+        err("num_heads", f"must divide width ({cfg.width}); {cfg.num_heads} does not")
+    if cfg.seq_len > 4096:
+        err("seq_len", f"must be ≤ 4096, got {cfg.seq_len}")
+    if cfg.num_epochs == 0 and cfg.max_steps == 0:
+        err("max_steps", "and num_epochs are both 0: set at least one so the run can end")
+    if cfg.max_restarts > 10:
+        err("max_restarts", f"must be ≤ 10, got {cfg.max_restarts}")
+    if cfg.lr <= 0:
+        err("lr", f"must be > 0, got {cfg.lr}")
+    return errors
+
+
+def check(cfg: RunConfig, machine: Machine) -> RunConfig:
+    """Raise ConfigInvalid with every problem at once; return the config when it is sound."""
+    errors = validate(cfg, machine)
+    if errors:
+        raise ConfigInvalid(errors)
+    return cfg
+
+
+def detect_machine() -> Machine:
+    """CPU count and CUDA devices; imports torch lazily (≈1 s), so callers cache the result."""
+    import torch
+
+    cpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gpus: list[tuple[str, float]] = []
+    bf16 = False
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            gpus.append((props.name, round(props.total_memory / 2**30, 1)))
+        bf16 = torch.cuda.is_bf16_supported()
+    nccl = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
+    return Machine(cpu_count=cpu, gpus=tuple(gpus), bf16_gpu=bf16, nccl=nccl)
+
+

@@ -1,0 +1,358 @@
+"""Start, stop and reconcile runs. Every process ddpdash starts is started here, from argument
+lists (never a shell string), each in a session of its own, logging to files in the run folder.
+
+    launch(cfg) -> run id      # validates, writes the run row + folder, starts a detached supervisor
+    stop(run_id)               # SIGTERM to torchrun via the supervisor; survivors are killed
+    reconcile(engine)          # any reader: runs whose supervisor is gone become `lost`
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from db.engine import default_db_url, runs_root
+from db.queries import (
+    ACTIVE_STATUSES,
+    FINAL_STATUSES,
+    RunInfo,
+    add_event,
+    create_run,
+    finish_run,
+    get_run,
+    list_runs,
+    rank_states,
+    update_run,
+)
+from trainer.config import Machine, RunConfig, check
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 4  # torchrun's grace for workers after SIGTERM before it SIGKILLs them
+STOP_MARGIN_S = 2.0
+STALE_HEARTBEAT_S = 60.0
+QUEUED_GRACE_S = 30.0
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class LaunchError(RuntimeError):
+    """The run could not be started."""
+
+
+class StopError(RuntimeError):
+    """The run could not be stopped as asked."""
+
+
+# ---- pure builders ---------------------------------------------------------------------------
+def torchrun_argv(cfg: RunConfig, run_dir: Path, run_id: int, python: str = sys.executable) -> list[str]:
+    """The exact torchrun command for a run. The database URL travels in the environment (it may hold a
+    password, and argv is visible to every user of the machine)."""
+    return [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc-per-node", str(cfg.world_size),
+        # c10d on port 0: the OS picks a free port, so two runs at once never clash.
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "127.0.0.1:0",
+        "--rdzv-id", f"ddpdash-run-{run_id}",
+        "--max-restarts", str(cfg.max_restarts),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "--log-dir", str(run_dir / "logs"),
+        "--redirects", "3",
+        "-m", "trainer",
+        "--config", str(run_dir / "config.json"),
+        "--run-id", str(run_id),
+    ]
+
+
+def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # One thread per rank's share of the cores: more oversubscribes the CPU and slows every rank.
+    env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.world_size, 1)))
+    env["DDPDASH_DB_URL"] = db_url
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH", "")]))
+    if cfg.devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in cfg.devices)
+    return env
+
+
+def supervisor_argv(run_id: int, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "trainer.supervisor", "--run-id", str(run_id)]
+
+
+def cli_command(cfg: RunConfig) -> list[str]:
+    """The `ddpdash launch` command that starts the same run (flags only where they differ from defaults)."""
+    default = RunConfig().to_dict()
+    argv = ["ddpdash", "launch"]
+    for name, value in cfg.to_dict().items():
+        if name == "num_procs" and cfg.devices:
+            continue
+        if value == default[name]:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+# ---- launching -------------------------------------------------------------------------------
+def new_run_dir(run_id: int, root: Path | None = None) -> Path:
+    path = (root or runs_root()) / f"run-{run_id:05d}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | None = None) -> int:
+    """Validate, record the run (queued), start its detached supervisor and return the run id at once."""
+    check(cfg, machine)  # raises ConfigInvalid before anything is written
+    db_url = db_url or engine.url.render_as_string(hide_password=False) or default_db_url()
+    with Session(engine) as s, s.begin():
+        run_id = create_run(s, key=f"ddpdash-{uuid.uuid4()}", name=cfg.name, config_json=cfg.to_json(),
+                            world_size=cfg.world_size, host=socket.gethostname())
+    run_dir = new_run_dir(run_id)
+    (run_dir / "config.json").write_text(cfg.to_json())
+    try:
+        proc = _spawn(supervisor_argv(run_id), run_dir / "supervisor.log", torchrun_env(cfg, db_url), cwd=run_dir)
+    except OSError as exc:
+        with Session(engine) as s, s.begin():
+            finish_run(s, run_id, "failed", error=f"could not start the supervisor: {exc}")
+        raise LaunchError(f"could not start the supervisor: {exc}") from exc
+    with Session(engine) as s, s.begin():
+        update_run(s, run_id, run_dir=str(run_dir), supervisor_pid=proc.pid)
+    # Reap it when it ends so it never lingers as a zombie of a long-lived dashboard.
+    threading.Thread(target=proc.wait, daemon=True).start()
+    return run_id
+
+
+def _spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+            start_new_session=True,  # outlives the dashboard or terminal that started it
+        )
+
+
+def spawn_torchrun(cfg: RunConfig, run_dir: Path, run_id: int, db_url: str) -> subprocess.Popen[bytes]:
+    """Called by the supervisor. torchrun stays in the supervisor's session; its workers get their own."""
+    with open(run_dir / "torchrun.log", "ab") as out:
+        return subprocess.Popen(
+            torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            env=torchrun_env(cfg, db_url), cwd=run_dir,
+        )
+
+
+# ---- processes -------------------------------------------------------------------------------
+def alive(pid: int | None, must_contain: str | None = None) -> bool:
+    """True for a live (non-zombie) process, optionally whose command line mentions `must_contain`
+    (a guard against a recycled PID)."""
+    if not pid:
+        return False
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return must_contain is None or must_contain in " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def terminate_run(torchrun_pid: int | None, worker_pids: tuple[int, ...] | list[int],
+                  wait_s: float = SHUTDOWN_TIMEOUT_S + STOP_MARGIN_S) -> list[int]:
+    """SIGTERM torchrun (it forwards to its workers), wait its shutdown timeout plus a margin, then
+    SIGKILL every recorded worker still alive: workers live in sessions of their own, so killing
+    torchrun alone would orphan them (NOTES). Returns the PIDs that had to be killed."""
+    known = set(worker_pids)
+    if torchrun_pid and alive(torchrun_pid):
+        known.update(descendants(torchrun_pid))
+        with _quiet():
+            os.kill(torchrun_pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not alive(torchrun_pid) and not any(alive(p) for p in known):
+            return []
+        time.sleep(0.1)
+    killed = []
+    for pid in [torchrun_pid, *known]:
+        if pid and alive(pid):
+            with _quiet():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
+
+
+class _quiet:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
+        return exc_type is not None and issubclass(exc_type, ProcessLookupError | PermissionError)  # type: ignore[arg-type]
+
+
+def run_pids(run: RunInfo) -> list[int]:
+    pids = [p for p in (run.supervisor_pid, run.torchrun_pid, *run.worker_pids) if p]
+    return [p for p in pids if alive(p)]
+
+
+# ---- stop ------------------------------------------------------------------------------------
+def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + STOP_MARGIN_S + 2.0) -> str:
+    """Stop a run; returns its final status. Nothing of the run survives."""
+    with Session(engine) as s, s.begin():
+        run = get_run(s, run_id)
+        if run.status in FINAL_STATUSES:
+            return run.status
+        update_run(s, run_id, status="stopping")
+        add_event(s, run_id, "stop", "stop requested")
+    if run.host == socket.gethostname() and alive(run.supervisor_pid, "trainer.supervisor"):
+        with _quiet():
+            os.kill(run.supervisor_pid, signal.SIGTERM)  # type: ignore[arg-type]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with Session(engine) as s:
+                run = get_run(s, run_id)
+            if run.status in FINAL_STATUSES:
+                return run.status
+            time.sleep(0.1)
+    if run.host != socket.gethostname():
+        raise StopError(f"run {run_id} runs on host {run.host}; stop it from there (ddpdash stop {run_id})")
+    # The supervisor is gone or stuck: do its job.
+    with Session(engine) as s:
+        run = get_run(s, run_id)
+    killed = terminate_run(run.torchrun_pid, run.worker_pids, wait_s=1.0)
+    if alive(run.supervisor_pid, "trainer.supervisor"):
+        with _quiet():
+            os.kill(run.supervisor_pid, signal.SIGKILL)  # type: ignore[arg-type]
+    with Session(engine) as s, s.begin():
+        if finish_run(s, run_id, "stopped"):
+            add_event(s, run_id, "stopped", f"stopped without the supervisor; killed {len(killed)} process(es)")
+        return get_run(s, run_id).status
+
+
+# ---- reconciliation --------------------------------------------------------------------------
+def reconcile(engine: Engine, now: float | None = None) -> list[int]:
+    """Mark runs `lost` whose supervisor is gone (killing what is left of them) or, on another host,
+    whose heartbeats went stale. Any process that reads runs calls this. Returns the ids marked lost."""
+    now = now or time.time()
+    host = socket.gethostname()
+    lost = []
+    with Session(engine) as s:
+        active = list_runs(s, statuses=ACTIVE_STATUSES)
+    for run in active:
+        reason = _why_lost(engine, run, host, now)
+        if reason is None:
+            continue
+        killed = terminate_run(run.torchrun_pid, run.worker_pids, wait_s=1.0) if run.host == host else []
+        if killed:
+            reason += f"; killed {len(killed)} leftover process(es) {killed}"
+        with Session(engine) as s, s.begin():
+            if finish_run(s, run.id, "lost", error=reason):
+                add_event(s, run.id, "lost", reason)
+                lost.append(run.id)
+    return lost
+
+
+def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None:
+    beat = _last_heartbeat(engine, run)
+    if run.host == host:
+        if alive(run.supervisor_pid, "trainer.supervisor"):
+            return None
+        if run.status == "queued" and now - run.created_at < QUEUED_GRACE_S and run.supervisor_pid is None:
+            return None  # launch() has not recorded the supervisor yet
+        return f"the supervisor (pid {run.supervisor_pid}) is gone while the run was {run.status}"
+    if beat is not None and now - beat > STALE_HEARTBEAT_S:
+        return f"no heartbeat from host {run.host} for {now - beat:.0f} s"
+    return None
+
+
+def _last_heartbeat(engine: Engine, run: RunInfo) -> float | None:
+    with Session(engine) as s:
+        states = rank_states(s, run.id)
+    beats = [b for b in [run.heartbeat_at, *states["heartbeat_at"].tolist()] if b]
+    return max(beats) if beats else None
+
+
+# ---- failure reports -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    message: str
+    traceback: str
+    stderr_tail: str
+
+
+def read_failures(run_dir: Path, tail_lines: int = 40) -> list[RankFailure]:
+    """Failing ranks of the last attempt, from the error files `@record` leaves (torchrun layout:
+    logs/<rdzv-id>_<rand>/attempt_<n>/<local_rank>/{error.json,stderr.log})."""
+    attempts = sorted((run_dir / "logs").glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not attempts:
+        return []
+    failures = []
+    for rank_dir in sorted(attempts[-1].iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1):
+        error_file = rank_dir / "error.json"
+        if not error_file.exists():
+            continue
+        message, trace = _parse_error_file(error_file)
+        failures.append(RankFailure(int(rank_dir.name), message, trace, tail(rank_dir / "stderr.log", tail_lines)))
+    return failures
+
+
+def _parse_error_file(path: Path) -> tuple[str, str]:
+    try:
+        data = json.loads(path.read_text())
+        inner = data.get("message", {})
+        if isinstance(inner, dict):
+            trace = inner.get("extraInfo", {}).get("py_callstack", "")
+            return str(inner.get("message", "")), str(trace)
+        return str(inner), ""
+    except (OSError, ValueError):
+        return "unreadable error file", ""
+
+
+def tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def rank_log_path(run_dir: Path, rank: int, stream: str = "stderr") -> Path | None:
+    """The newest attempt's log of a rank (stdout or stderr)."""
+    found = sorted((run_dir / "logs").glob(f"*/attempt_*/{rank}/{stream}.log"),
+                   key=lambda p: (p.stat().st_mtime, p.parent.parent.name))
+    return found[-1] if found else None
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:60]

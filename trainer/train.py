@@ -1,0 +1,431 @@
+"""The DDP training loop. See trainer/__main__.py for the command that runs it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import math
+import os
+import signal
+import socket
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from db.queries import create_run, find_run_by_key, finish_run, open_store, update_run
+from db.writer import MetricWriter, NullWriter
+from trainer.config import RunConfig
+from trainer.data import Data, load
+from trainer.faults import Fault, InjectedFault, parse_faults
+from trainer.models import build
+
+log = logging.getLogger("trainer")
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+# ---- process group ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    attempt: int
+    device: torch.device
+    distributed: bool
+
+
+def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
+    if not cfg.uses_cuda:
+        return torch.device("cpu")
+    # The launcher narrows CUDA_VISIBLE_DEVICES to the chosen GPUs; by hand, index them directly.
+    index = local_rank if os.environ.get("CUDA_VISIBLE_DEVICES") else cfg.devices[local_rank]
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_distributed(cfg: RunConfig) -> DistEnv:
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return DistEnv(0, 0, 1, 0, pick_device(cfg, 0), False)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    local_rank, attempt = int(env.get("LOCAL_RANK", 0)), int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    device = pick_device(cfg, local_rank)
+    timeout = timedelta(seconds=cfg.pg_timeout_s)
+    # A store prefixed per attempt: the default init reconnects to the previous attempt's gloo
+    # addresses after a restart and fails (shared/NOTES.md); this worked every time.
+    agent_hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size=world,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    prefixed = dist.PrefixStore(f"ddpdash/attempt_{attempt}", store)
+    dist.init_process_group(cfg.resolved_backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    return DistEnv(rank, local_rank, world, attempt, device, True)
+
+
+# ---- stop signal -----------------------------------------------------------------------------
+class StopFlag:
+    """SIGTERM asks the loop to finish its step, flush and leave."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.requested = True
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                    step: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
+                "step": step}, tmp)
+    os.replace(tmp, path)  # atomic: a crash mid-write leaves the previous checkpoint whole
+
+
+def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                    device: torch.device) -> int:
+    if not path.exists():
+        return 0
+    state = torch.load(path, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    return int(state["step"])
+
+
+# ---- pieces of the loop ----------------------------------------------------------------------
+def make_optimizer(cfg: RunConfig, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+    lr = cfg.effective_lr
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.effective_lr * step / cfg.warmup_steps
+    return cfg.effective_lr
+
+
+def wrap_ddp(cfg: RunConfig, model: nn.Module, env: DistEnv) -> nn.Module:
+    if not env.distributed:
+        return model
+    ddp = DDP(
+        model,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        find_unused_parameters=cfg.find_unused_parameters,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+    )
+    register_comm_hook(cfg, ddp)
+    return ddp
+
+
+def register_comm_hook(cfg: RunConfig, ddp: DDP) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if cfg.comm_hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif cfg.comm_hook == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif cfg.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def loss_fn(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if task == "regression":
+        return nn.functional.mse_loss(out.float(), y)
+    if task == "lm":
+        return nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+    return nn.functional.cross_entropy(out.float(), y)
+
+
+def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if cfg.amp == "off":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if cfg.amp == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(cfg: RunConfig, model: nn.Module, data: Data, device: torch.device) -> dict[str, float]:
+    model.eval()
+    loader = DataLoader(data.val, batch_size=max(cfg.batch_size, 64))
+    total, correct, count = 0.0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        with autocast(cfg, device):
+            out = model(x)
+        total += loss_fn(data.task, out, y).item() * len(x)
+        count += len(x)
+        if data.task == "classification":
+            correct += int((out.argmax(-1) == y).sum())
+    model.train()
+    result = {"val_loss": total / max(count, 1)}
+    if data.task == "classification":
+        result["val_acc"] = correct / max(count, 1)
+    return result
+
+
+def param_checksums(model: nn.Module) -> torch.Tensor:
+    return torch.stack([p.detach().double().sum() for p in model.parameters()])
+
+
+def sync_check(model: nn.Module, env: DistEnv) -> list[int]:
+    """Ranks whose parameters differ from rank 0's (all ranks take part: it is a collective)."""
+    local = param_checksums(model)
+    gathered = [torch.empty_like(local) for _ in range(env.world_size)]
+    dist.all_gather(gathered, local)
+    return [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+
+
+@dataclass
+class Window:
+    """What happened since the last log line."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    samples: int = 0
+    compute_s: float = 0.0
+    data_s: float = 0.0
+    loss_sum: torch.Tensor | None = None
+
+
+# ---- the loop --------------------------------------------------------------------------------
+def train(cfg: RunConfig, env: DistEnv, writer: MetricWriter | NullWriter, run_dir: Path, stop: StopFlag,
+          faults: list[Fault], start_step: int | None = None) -> str:
+    """Train until done or asked to stop; returns the rank's final status ("done" or "stopped")."""
+    torch.manual_seed(cfg.seed)  # same seed on every rank: replicas start identical
+    data = load(cfg)
+    module = build(cfg, data).to(env.device)
+    model = wrap_ddp(cfg, module, env)
+    opt = make_optimizer(cfg, module.parameters())
+    scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
+    ckpt = run_dir / CHECKPOINT_NAME
+    step = load_checkpoint(ckpt, module, opt, scaler, env.device) if start_step is None else start_step
+    sampler = DistributedSampler(data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+                        drop_last=True, pin_memory=env.device.type == "cuda",
+                        persistent_workers=cfg.num_workers > 0)
+    steps_per_epoch = max(len(loader) // cfg.grad_accum_steps, 1)
+    total = total_steps(cfg, steps_per_epoch)
+    if env.rank == 0:
+        writer.set_total_steps(total)
+    sample_log = _sample_log(env)
+    samples_per_step = cfg.batch_size * cfg.grad_accum_steps
+    tokens_per_sample = cfg.seq_len if data.task == "lm" else 0
+    window = Window()
+    first_step = step
+    epoch = step // steps_per_epoch
+    while step < total and not stop.requested:
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        skip = (step % steps_per_epoch) * cfg.grad_accum_steps  # resume mid-epoch where we left off
+        for _ in range(skip):
+            next(batches)
+        for _ in range(steps_per_epoch - step % steps_per_epoch):
+            if step >= total or stop.requested:
+                break
+            step += 1
+            for g in opt.param_groups:
+                g["lr"] = lr_at(cfg, step)
+            # static_graph + no_sync fails on the very first iteration (NOTES): sync that one fully.
+            may_skip_sync = env.distributed and not (cfg.static_graph and step == first_step + 1)
+            for micro in range(cfg.grad_accum_steps):
+                t0 = time.perf_counter()
+                x, y, idx = next(batches)
+                x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+                t1 = time.perf_counter()
+                window.data_s += t1 - t0
+                if sample_log is not None:
+                    sample_log.write(" ".join(map(str, idx.tolist())) + "\n")
+                last_micro = micro == cfg.grad_accum_steps - 1
+                sync_ctx = model.no_sync() if may_skip_sync and not last_micro else contextlib.nullcontext()
+                with sync_ctx:
+                    with autocast(cfg, env.device):
+                        loss = loss_fn(data.task, model(x), y) / cfg.grad_accum_steps
+                    scaler.scale(loss).backward()
+                detached = loss.detach()
+                window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
+                window.compute_s += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            window.compute_s += time.perf_counter() - t2
+            window.steps += 1
+            window.samples += samples_per_step
+            apply_faults(faults, env, step, module)
+            if step % cfg.log_every == 0 or step == total:
+                writer.log(step, window_metrics(window, opt, env, tokens_per_sample))
+                window = Window()
+            if cfg.sync_check_every and env.distributed and step % cfg.sync_check_every == 0:
+                bad = sync_check(module, env)
+                if bad and env.rank == 0:
+                    writer.event("desync", f"replicas out of sync at step {step}: rank(s) {bad} differ from rank 0")
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and env.rank == 0:
+                save_checkpoint(ckpt, module, opt, scaler, step)
+        if step % steps_per_epoch == 0 or step >= total:
+            if env.rank == 0:
+                writer.log(step, {**evaluate(cfg, module, data, env.device), "epoch": float(epoch + 1)})
+            epoch += 1
+    if sample_log is not None:
+        sample_log.close()
+    return "stopped" if stop.requested and step < total else "done"
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    by_epochs = cfg.num_epochs * steps_per_epoch if cfg.num_epochs else math.inf
+    by_steps = cfg.max_steps or math.inf
+    return int(min(by_epochs, by_steps))
+
+
+def window_metrics(w: Window, opt: torch.optim.Optimizer, env: DistEnv, tokens_per_sample: int) -> dict[str, float]:
+    elapsed = max(time.perf_counter() - w.start, 1e-9)
+    assert w.loss_sum is not None
+    values = {
+        "loss": float(w.loss_sum.item()) / max(w.steps, 1),  # .item() is a device sync: only at log steps
+        "samples_per_s": w.samples / elapsed,
+        "step_time": w.compute_s / max(w.steps, 1),
+        "data_time": w.data_s / max(w.steps, 1),
+        "lr": float(opt.param_groups[0]["lr"]),
+    }
+    if tokens_per_sample:
+        values["tokens_per_s"] = values["samples_per_s"] * tokens_per_sample
+    if env.device.type == "cuda":
+        values["gpu_mem_mb"] = torch.cuda.max_memory_allocated(env.device) / 2**20
+    return values
+
+
+def apply_faults(faults: list[Fault], env: DistEnv, step: int, module: nn.Module) -> None:
+    for f in faults:
+        if f.rank != env.rank:
+            continue
+        if f.kind == "sleep":
+            time.sleep(f.at)
+        elif step == int(f.at):
+            if f.kind == "raise" or (f.kind == "raise-once" and env.attempt == 0):
+                raise InjectedFault(f"injected fault on rank {env.rank} at step {step} (DDPDASH_TEST_FAULT)")
+            if f.kind == "perturb":
+                with torch.no_grad():
+                    next(module.parameters()).view(-1)[0] += 1e-3
+
+
+def _sample_log(env: DistEnv) -> Any:
+    folder = os.environ.get("DDPDASH_TEST_SAMPLE_LOG")
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return open(Path(folder) / f"rank{env.rank}.attempt{env.attempt}.txt", "w")
+
+
+# ---- entry -----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="One rank of a ddpdash DDP run.")
+    p.add_argument("--config", required=True, type=Path, help="RUN_DIR/config.json written by ddpdash")
+    p.add_argument("--run-id", type=int, help="the run's id in the database (omit to register a new run)")
+    p.add_argument("--db-url", help="SQLAlchemy URL (default: DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db)")
+    return p.parse_args(argv)
+
+
+def resolve_run(engine: Any, args: argparse.Namespace, cfg: RunConfig, run_dir: Path, world_size: int) -> int:
+    """The launcher passes --run-id; a hand-started torchrun registers one run per rendezvous."""
+    from sqlalchemy.exc import IntegrityError
+    from sqlalchemy.orm import Session
+
+    if args.run_id is not None:
+        return int(args.run_id)
+    key = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4()}"
+    key = f"{key}:{run_dir.resolve()}"[:64] if len(key) < 64 else key[:64]
+    for _ in range(50):
+        with Session(engine) as s, s.begin():
+            found = find_run_by_key(s, key)
+            if found is not None:
+                return found
+        try:
+            with Session(engine) as s, s.begin():
+                run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=world_size,
+                                    run_dir=str(run_dir), host=socket.gethostname(), status="running")
+                update_run(s, run_id, started_at=time.time())
+                return run_id
+        except IntegrityError:
+            continue  # another rank registered it first
+    raise RuntimeError(f"could not register run {key}")
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    rank_label = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_label} %(levelname)s %(message)s")
+    args = parse_args(argv)
+    cfg = RunConfig.from_json(args.config.read_text())
+    run_dir = args.config.resolve().parent
+    stop = StopFlag()
+    faults = parse_faults()
+    env = init_distributed(cfg)
+    engine = open_store(args.db_url)
+    run_id = resolve_run(engine, args, cfg, run_dir, env.world_size)
+    supervised = args.run_id is not None
+    resume_step = _checkpoint_step(run_dir / CHECKPOINT_NAME)
+    resuming = env.attempt > 0 or resume_step > 0
+    writer = MetricWriter(engine, run_id, env.rank, device=str(env.device), attempt=env.attempt,
+                          resume_after_step=resume_step if resuming else None)
+    if env.rank == 0:
+        if resuming:
+            writer.event("restart", f"attempt {env.attempt}: resuming from the checkpoint at step {resume_step}")
+        else:
+            backend = cfg.resolved_backend if env.distributed else "none"
+            writer.event("started", f"{env.world_size} rank(s), backend {backend}")
+    log.info("run %s: %d rank(s) on %s, attempt %d", run_id, env.world_size, env.device, env.attempt)
+    status = "failed"
+    try:
+        status = train(cfg, env, writer, run_dir, stop, faults, start_step=None)
+    except Exception as exc:
+        if stop.requested:
+            status = "stopped"  # a peer left first during the shutdown; that is the stop, not a failure
+        else:
+            writer.event("rank_failed", f"rank {env.rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
+            raise
+    finally:
+        writer.close(status=status)
+        if env.rank == 0 and not supervised:
+            _finish_unsupervised(engine, run_id, status)
+        gc.collect()  # release DDP's buffers before tearing the group down: avoids SIGABRT at exit (NOTES)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    log.info("run %s: rank %d %s", run_id, env.rank, status)
+    return 0
+
+
+def _checkpoint_step(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return int(torch.load(path, map_location="cpu", weights_only=True)["step"])
+
+
+def _finish_unsupervised(engine: Any, run_id: int, status: str) -> None:
+    from sqlalchemy.orm import Session
+
+    final = {"done": "succeeded", "stopped": "stopped"}.get(status, "failed")
+    with Session(engine) as s, s.begin():
+        finish_run(s, run_id, final)
