@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class RunConfig:
     devices: tuple[int, ...] = _f(
         (), "CUDA device indices, one rank each (empty: CPU processes).", "Devices", list=True
     )
-    num_procs: int = _f(2, "Number of CPU processes (ranks); set from devices when GPUs are chosen.", "Devices")
+    num_procs: int = _f(2, "Number of CPU processes (ranks); set from devices when GPUs are chosen.", "Devices", min=1)
     backend: Backend = _f("auto", "Process-group backend; auto = nccl with CUDA devices, else gloo.", "Devices")
     model: Model = _f("mlp", "Model: linear (seed example), mlp/cnn (digits), transformer (text LM).", "Model")
     dataset: Dataset = _f("auto", "Data set; auto picks the model's own.", "Model")
@@ -124,7 +125,7 @@ class RunConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         for key in data:
             if key not in known:
-                errors.append(ConfigError(str(key), f"unknown setting {key!r}; known: {', '.join(known)}"))
+                errors.append(ConfigError("config", f"has an unknown setting {key!r}; known: {', '.join(known)}"))
         values: dict[str, Any] = {}
         for name, f in known.items():
             if name in data:
@@ -250,7 +251,9 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
     for f in config_fields():
         low = f.metadata.get("min")
         value = getattr(cfg, f.name)
-        if low is not None and value < low:
+        if isinstance(value, float) and not math.isfinite(value):
+            err(f.name, f"must be a finite number, got {value}")
+        elif low is not None and value < low:
             err(f.name, f"must be ≥ {low}, got {value}")
     if not cfg.name.strip():
         err("name", "must not be empty")
@@ -298,7 +301,7 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         err("max_steps", "and num_epochs are both 0: set at least one so the run can end")
     if cfg.max_restarts > 10:
         err("max_restarts", f"must be ≤ 10, got {cfg.max_restarts}")
-    if cfg.lr <= 0:
+    if cfg.lr <= 0 and math.isfinite(cfg.lr):
         err("lr", f"must be > 0, got {cfg.lr}")
     return errors
 

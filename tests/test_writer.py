@@ -1,0 +1,159 @@
+"""The per-rank metric writer and the downsampling queries it feeds."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pandas as pd
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from db.engine import make_engine
+from db.queries import count_points, metric_series, rank_states
+from db.writer import MetricWriter
+from tests.conftest import make_run
+
+
+def test_log_returns_before_anything_is_written(engine: Engine) -> None:
+    run_id = make_run(engine)
+    w = MetricWriter(engine, run_id, 0, flush_interval_s=60)
+    w.log(1, {"loss": 1.0})
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 0
+    w.close(status="done")
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 1
+        assert rank_states(s, run_id).iloc[0]["status"] == "done"
+
+
+def test_background_thread_flushes_within_a_second_or_so(engine: Engine) -> None:
+    run_id = make_run(engine)
+    w = MetricWriter(engine, run_id, 0, flush_interval_s=0.2)
+    w.log(1, {"loss": 1.0})
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with Session(engine) as s:
+            if count_points(s, run_id) == 1:
+                break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("nothing flushed")
+    w.close()
+
+
+def test_heartbeat_and_step_update_with_each_flush(engine: Engine) -> None:
+    run_id = make_run(engine)
+    w = MetricWriter(engine, run_id, 3, flush_interval_s=60)
+    before = time.time()
+    w.log(7, {"loss": 0.5})
+    w.flush()
+    with Session(engine) as s:
+        state = rank_states(s, run_id).iloc[0]
+    assert state["rank"] == 3 and state["step"] == 7 and state["heartbeat_at"] >= before
+    w.close()
+
+
+def write_series(engine: Engine, run_id: int, rank: int, steps: int, flush_every: int = 997) -> list[float]:
+    w = MetricWriter(engine, run_id, rank, flush_interval_s=3600)
+    values = [((i * 7919) % 1000) / 10.0 for i in range(1, steps + 1)]
+    for i, v in enumerate(values, start=1):
+        w.log(i, {"loss": v})
+        if i % flush_every == 0:
+            w.flush()
+    w.close()
+    return values
+
+
+def test_downsampled_series_respects_the_budget_and_keeps_peaks(engine: Engine) -> None:
+    run_id = make_run(engine)
+    values = write_series(engine, run_id, 0, 20_000)
+    values[12_345] = 1e6  # a spike must survive downsampling
+    w = MetricWriter(engine, run_id, 1, flush_interval_s=3600)
+    for i, v in enumerate(values, start=1):
+        w.log(i, {"loss": v})
+    w.close()
+    with Session(engine) as s:
+        df = metric_series(s, run_id, "loss", max_points=500)
+    assert set(df["rank"]) == {0, 1}
+    assert df.groupby("rank").size().max() <= 500
+    assert df[df["rank"] == 1]["vmax"].max() == 1e6
+    assert df[df["rank"] == 0]["vmax"].max() == max(values[:12_345] + values[12_346:])
+    assert df.groupby("rank")["count"].sum().tolist() == [20_000, 20_000]
+
+
+def test_rollups_match_raw_aggregation_across_flush_boundaries(engine: Engine) -> None:
+    run_id = make_run(engine)
+    values = write_series(engine, run_id, 0, 5000, flush_every=333)
+    with Session(engine) as s:
+        df = metric_series(s, run_id, "loss", max_points=100)
+    raw = pd.DataFrame({"step": range(1, 5001), "value": values})
+    width = 5000 // 99 + 1  # what the query must have chosen: a multiple of a rollup width ≥ span/99
+    assert df["count"].sum() == 5000
+    first = df.iloc[0]
+    covered = raw[raw["step"] <= first["step"]]
+    assert first["vmin"] == covered["value"].min() and first["vmax"] == covered["value"].max()
+    assert abs(first["value"] - covered["value"].mean()) < 1e-9
+    assert len(df) <= 100 and width > 0
+
+
+def test_small_series_come_back_raw(engine: Engine) -> None:
+    run_id = make_run(engine)
+    values = write_series(engine, run_id, 0, 50)
+    with Session(engine) as s:
+        df = metric_series(s, run_id, "loss")
+    assert df["value"].tolist() == values and df["step"].tolist() == list(range(1, 51))
+
+
+def test_points_after_a_step_only(engine: Engine) -> None:
+    run_id = make_run(engine)
+    write_series(engine, run_id, 0, 300)
+    with Session(engine) as s:
+        df = metric_series(s, run_id, "loss", after_step=250)
+    assert df["step"].tolist() == list(range(251, 301))
+
+
+def test_resume_discards_steps_after_the_checkpoint(engine: Engine) -> None:
+    run_id = make_run(engine)
+    write_series(engine, run_id, 0, 1000)
+    w = MetricWriter(engine, run_id, 0, flush_interval_s=3600, attempt=1, resume_after_step=600)
+    for i in range(601, 701):
+        w.log(i, {"loss": -1.0})
+    w.close()
+    with Session(engine) as s:
+        raw = metric_series(s, run_id, "loss", max_points=10_000)
+        coarse = metric_series(s, run_id, "loss", max_points=20)
+    assert raw["step"].tolist() == list(range(1, 701))
+    assert raw["step"].is_unique
+    assert coarse["count"].sum() == 700 and coarse["vmin"].min() == -1.0
+
+
+def _writer_process(db_url: str, run_id: int, rank: int, n: int) -> None:
+    engine = make_engine(db_url)
+    w = MetricWriter(engine, run_id, rank, flush_interval_s=0.05)
+    for step in range(1, n + 1):
+        w.log(step, {"loss": float(step), "samples_per_s": 1.0})
+    w.close(status="done")
+
+
+def test_four_writer_processes_and_a_polling_reader_lose_nothing(engine: Engine, db_url: str) -> None:
+    run_id = make_run(engine)
+    n = 20_000
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer_process, args=(db_url, run_id, r, n)) for r in range(4)]
+    for p in procs:
+        p.start()
+    reads = 0
+    while any(p.is_alive() for p in procs):
+        with Session(engine) as s:
+            metric_series(s, run_id, "loss")
+            rank_states(s, run_id)
+        reads += 1
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 4 * n * 2
+        states = rank_states(s, run_id)
+    assert states["status"].tolist() == ["done"] * 4 and reads > 0
