@@ -110,20 +110,27 @@ def get_run(s: Session, run_id: int) -> RunInfo:
     return _info(r)
 
 
-def update_run(s: Session, run_id: int, **values: Any) -> None:
+def _columns(values: dict[str, Any]) -> dict[str, Any]:
+    """Lists of PIDs, ranks and tags are stored as comma-separated text."""
+    out = dict(values)
     for name in ("worker_pids", "failed_ranks"):
-        if name in values and not isinstance(values[name], str):
-            values[name] = ",".join(str(v) for v in values[name])
-    if "tags" in values and not isinstance(values["tags"], str):
-        values["tags"] = ",".join(clean_tags(values["tags"]))
-    s.execute(update(Run).where(Run.id == run_id).values(**values))
+        if name in out and not isinstance(out[name], str):
+            out[name] = ",".join(str(v) for v in out[name])
+    if "tags" in out and not isinstance(out["tags"], str):
+        out["tags"] = ",".join(clean_tags(out["tags"]))
+    return out
+
+
+def update_run(s: Session, run_id: int, **values: Any) -> None:
+    s.execute(update(Run).where(Run.id == run_id).values(**_columns(values)))
 
 
 def finish_run(s: Session, run_id: int, status: str, **values: Any) -> bool:
     """Set a final status unless one is already set (the first writer of the truth wins)."""
     values.setdefault("ended_at", time.time())
     result = s.execute(
-        update(Run).where(Run.id == run_id, Run.status.not_in(FINAL_STATUSES)).values(status=status, **values)
+        update(Run).where(Run.id == run_id, Run.status.not_in(FINAL_STATUSES))
+        .values(status=status, **_columns(values))
     )
     return bool(result.rowcount)
 

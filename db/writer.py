@@ -193,7 +193,9 @@ class MetricWriter:
             )
         self.written_points += len(rows)
 
-    def _roll_up(self, logs: list[tuple[int, float, Mapping[str, float]]]) -> tuple[list[dict[str, object]], dict[int, int]]:
+    def _roll_up(
+        self, logs: list[tuple[int, float, Mapping[str, float]]]
+    ) -> tuple[list[dict[str, object]], dict[int, int]]:
         touched: dict[tuple[str, int, int], _Bucket] = {}
         lowest: dict[int, int] = {}
         open_ = self._open

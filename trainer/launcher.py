@@ -305,6 +305,25 @@ class RankFailure:
     message: str
     traceback: str
     stderr_tail: str
+    timestamp: float = 0.0
+
+    @property
+    def is_consequence(self) -> bool:
+        """A peer's failure seen through the collective, not a cause of its own."""
+        return any(marker in self.message for marker in CONSEQUENCE_MARKERS)
+
+
+# What a rank reports when another rank died under it (gloo, NCCL, the store).
+CONSEQUENCE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                       "NCCL communicator was aborted", "Socket Timeout", "recvBytes", "Connection refused")
+
+
+def root_causes(failures: list[RankFailure]) -> list[RankFailure]:
+    """The ranks that failed first-hand; if all look like consequences, the earliest."""
+    causes = [f for f in failures if not f.is_consequence]
+    if causes:
+        return causes
+    return sorted(failures, key=lambda f: f.timestamp)[:1]
 
 
 def read_failures(run_dir: Path, tail_lines: int = 40) -> list[RankFailure]:
@@ -318,21 +337,22 @@ def read_failures(run_dir: Path, tail_lines: int = 40) -> list[RankFailure]:
         error_file = rank_dir / "error.json"
         if not error_file.exists():
             continue
-        message, trace = _parse_error_file(error_file)
-        failures.append(RankFailure(int(rank_dir.name), message, trace, tail(rank_dir / "stderr.log", tail_lines)))
+        message, trace, stamp = _parse_error_file(error_file)
+        failures.append(RankFailure(int(rank_dir.name), message, trace, tail(rank_dir / "stderr.log", tail_lines),
+                                    stamp))
     return failures
 
 
-def _parse_error_file(path: Path) -> tuple[str, str]:
+def _parse_error_file(path: Path) -> tuple[str, str, float]:
     try:
         data = json.loads(path.read_text())
         inner = data.get("message", {})
         if isinstance(inner, dict):
-            trace = inner.get("extraInfo", {}).get("py_callstack", "")
-            return str(inner.get("message", "")), str(trace)
-        return str(inner), ""
+            extra = inner.get("extraInfo", {})
+            return str(inner.get("message", "")), str(extra.get("py_callstack", "")), float(extra.get("timestamp", 0))
+        return str(inner), "", 0.0
     except (OSError, ValueError):
-        return "unreadable error file", ""
+        return "unreadable error file", "", 0.0
 
 
 def tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:

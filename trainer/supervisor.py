@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from db.engine import default_db_url, make_engine
 from db.queries import add_event, finish_run, get_run, rank_states, set_rank_status, update_run
 from trainer.config import RunConfig
-from trainer.launcher import descendants, read_failures, spawn_torchrun, terminate_run
+from trainer.launcher import descendants, read_failures, root_causes, spawn_torchrun, terminate_run
 
 log = logging.getLogger("trainer.supervisor")
 POLL_S = 0.2
@@ -87,10 +87,15 @@ def _record_exit(engine: Engine, run_id: int, run_dir: Path, code: int, leftover
             add_event(s, run_id, "finished", "all ranks finished")
             return "succeeded"
         failures = read_failures(run_dir)
-        ranks = [f.rank for f in failures]
+        causes = root_causes(failures)
+        ranks = [f.rank for f in causes]
+        others = [f for f in failures if f not in causes]
         error = "\n\n".join(
-            f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in failures
+            f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in causes
         ) or f"torchrun exited with code {code} and no rank left an error file; see torchrun.log"
+        if others:
+            error += "\n\nalso failed as a consequence: " + "; ".join(
+                f"rank {f.rank}: {f.message.splitlines()[0][:200] if f.message else '?'}" for f in others)
         _close_ranks(s, run_id, "failed")
         finish_run(s, run_id, "failed", exit_code=code, failed_ranks=ranks, error=error)
         summary = f"rank(s) {ranks} failed" if ranks else f"torchrun exited {code}"
