@@ -59,3 +59,12 @@ def upgrade(engine: Engine) -> None:
             f"revision {current or 'empty'} to {head_revision()}: {exc}. Back it up, then move it "
             "aside (or set DDPDASH_DB_URL to a new database) and start again"
         ) from exc
+
+
+def open_store(url: str | None = None) -> Engine:
+    """The engine for `url` (default: DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db), migrated to the newest schema."""
+    from db.engine import make_engine
+
+    engine = make_engine(url)
+    upgrade(engine)
+    return engine

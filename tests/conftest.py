@@ -13,7 +13,8 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.queries import FINAL_STATUSES, RunInfo, create_run, get_run, list_runs, open_store
+from db.migrate import open_store
+from db.runs import FINAL_STATUSES, RunInfo, create_run, get_run, list_runs
 from trainer.config import Machine, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent

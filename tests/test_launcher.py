@@ -12,7 +12,8 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.queries import RunInfo, events, get_run, metric_series, rank_states
+from db.queries import events, metric_series, rank_states
+from db.runs import RunInfo, get_run
 from tests.conftest import CPU_MACHINE, tiny, wait_final, wait_for
 from trainer.config import ConfigInvalid, RunConfig
 from trainer.launcher import cli_command, launch, reconcile, stop, torchrun_argv, torchrun_env
@@ -54,7 +55,7 @@ def test_invalid_config_launches_nothing_and_writes_nothing(engine: Engine, home
     with pytest.raises(ConfigInvalid, match="batch_size must be ≥ 1"):
         launch(engine, tiny(batch_size=0), CPU_MACHINE)
     with Session(engine) as s:
-        from db.queries import list_runs
+        from db.runs import list_runs
 
         assert list_runs(s) == []
     assert not (home / "runs").exists()

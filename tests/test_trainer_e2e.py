@@ -8,7 +8,8 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.queries import events, metric_series, open_store, rank_states
+from db.migrate import open_store
+from db.queries import events, metric_series, rank_states
 from tests.conftest import run_in_dir, tiny, torchrun_by_hand
 
 pytestmark = pytest.mark.slow
@@ -125,7 +126,7 @@ def test_a_resumed_run_continues_at_the_checkpoint_step(store) -> None:  # type:
     second = torchrun_by_hand(tiny(max_steps=35, checkpoint_every=10), run_dir, url)
     assert second.returncode == 0, second.stderr[-3000:]
     with Session(engine) as s:
-        from db.queries import list_runs
+        from db.runs import list_runs
 
         second_id = next(r.id for r in list_runs(s) if r.run_dir == str(run_dir.resolve()) and r.id != first_id)
         loss = metric_series(s, second_id, "loss")

@@ -20,8 +20,9 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.migrate import SchemaError
-from db.queries import FINAL_STATUSES, RunNotFound, all_points, events, get_run, list_runs, open_store, rank_states
+from db.migrate import SchemaError, open_store
+from db.queries import all_points, events, rank_states
+from db.runs import FINAL_STATUSES, RunNotFound, get_run, list_runs
 from trainer.config import ConfigInvalid, RunConfig, config_fields, detect_machine, field_choices, field_kind
 
 EXIT_BAD_INPUT = 2

@@ -3,7 +3,9 @@ digits images, and the Python documentation's topic texts (pydoc_data) as a byte
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,12 +54,18 @@ def regression(cfg: RunConfig) -> Data:
     return Data(TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), "regression", input_shape=(10,))
 
 
-def digits(cfg: RunConfig) -> Data:
-    from sklearn.datasets import load_digits
+def digits_path() -> Path:
+    """scikit-learn's bundled copy of the UCI digits, found without importing scikit-learn (≈2 s)."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the digits data set ships with scikit-learn: pip install scikit-learn")
+    return Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
 
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8)
-    y = torch.tensor(bunch.target, dtype=torch.long)
+
+def digits(cfg: RunConfig) -> Data:
+    table = np.loadtxt(digits_path(), delimiter=",", dtype=np.float32)  # 1797 rows: 64 pixels, then the label
+    x = torch.from_numpy(table[:, :-1]).reshape(-1, 1, 8, 8) / 16.0
+    y = torch.from_numpy(table[:, -1]).long()
     tr, va = _split(len(y), 1234)
     return Data(TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), "classification", 10, (1, 8, 8))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -27,7 +26,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from db.engine import default_db_url, runs_root
-from db.queries import (
+from db.runs import (
     ACTIVE_STATUSES,
     FINAL_STATUSES,
     RunInfo,
@@ -36,7 +35,7 @@ from db.queries import (
     finish_run,
     get_run,
     list_runs,
-    rank_states,
+    rank_statuses,
     update_run,
 )
 from trainer.config import Machine, RunConfig, check
@@ -293,8 +292,8 @@ def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None
 
 def _last_heartbeat(engine: Engine, run: RunInfo) -> float | None:
     with Session(engine) as s:
-        states = rank_states(s, run.id)
-    beats = [b for b in [run.heartbeat_at, *states["heartbeat_at"].tolist()] if b]
+        states = rank_statuses(s, run.id)
+    beats = [b for b in [run.heartbeat_at, *(r.heartbeat_at for r in states)] if b]
     return max(beats) if beats else None
 
 
@@ -374,5 +373,30 @@ def rank_log_path(run_dir: Path, rank: int, stream: str = "stderr") -> Path | No
     return found[-1] if found else None
 
 
-def safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:60]
+
+
+# ---- deletion --------------------------------------------------------------------------------
+class DeleteError(RuntimeError):
+    """The run cannot be deleted now."""
+
+
+def delete_run(engine: Engine, run_id: int) -> None:
+    """Remove a finished run: its rows, and its folder (logs, checkpoints) when ddpdash made it.
+    A hand-started run's folder belongs to the user: only its checkpoint goes."""
+    import shutil
+
+    from db.runs import delete_run_rows
+
+    with Session(engine) as s:
+        run = get_run(s, run_id)
+    if run.is_active:
+        raise DeleteError(f"run {run_id} is {run.status}: stop it before deleting it")
+    with Session(engine) as s, s.begin():
+        delete_run_rows(s, run_id)
+    if not run.run_dir:
+        return
+    folder = Path(run.run_dir).resolve()
+    if folder.parent == runs_root().resolve() and folder.name.startswith("run-"):
+        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        (folder / "checkpoint.pt").unlink(missing_ok=True)

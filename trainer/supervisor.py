@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from db.engine import default_db_url, make_engine
-from db.queries import add_event, finish_run, get_run, rank_states, set_rank_status, update_run
+from db.runs import add_event, finish_run, get_run, rank_statuses, set_rank_status, update_run
 from trainer.config import RunConfig
 from trainer.launcher import descendants, read_failures, root_causes, spawn_torchrun, terminate_run
 
@@ -75,9 +75,9 @@ def _record_stop(engine: Engine, run_id: int, killed: list[int]) -> str:
 
 def _record_exit(engine: Engine, run_id: int, run_dir: Path, code: int, leftovers: list[int]) -> str:
     with Session(engine) as s:
-        states = rank_states(s, run_id)
+        states = rank_statuses(s, run_id)
         world = get_run(s, run_id).world_size
-    finished = len(states) == world and bool((states["status"] == "done").all())
+    finished = len(states) == world and all(r.status == "done" for r in states)
     with Session(engine) as s, s.begin():
         if code == 0 or finished:
             if code != 0:
@@ -106,9 +106,9 @@ def _record_exit(engine: Engine, run_id: int, run_dir: Path, code: int, leftover
 
 
 def _close_ranks(s: Session, run_id: int, status: str) -> None:
-    for rank, current in rank_states(s, run_id)[["rank", "status"]].itertuples(index=False):
-        if current in ("running", "starting"):
-            set_rank_status(s, run_id, int(rank), status)
+    for r in rank_statuses(s, run_id):
+        if r.status in ("running", "starting"):
+            set_rank_status(s, run_id, r.rank, status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,162 @@
+"""Chart builders: DataFrame in, Altair chart out. No Streamlit, no database.
+
+Input frames are what db.queries.metric_series returns: rank, step, value (bucket mean), vmin, vmax,
+time, count — already at most a few thousand points per rank."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+MEAN_LABEL = "mean of ranks"
+TOTAL_LABEL = "total"
+CHART_HEIGHT = 260
+
+
+def series_label(rank: int) -> str:
+    return f"rank {int(rank)}"
+
+
+def ema(values: pd.Series, smoothing: float) -> pd.Series:
+    """TensorBoard-style smoothing: 0 leaves the curve alone, 0.99 nearly flattens it."""
+    if smoothing <= 0:
+        return values
+    return values.ewm(alpha=1 - min(smoothing, 0.999), adjust=True).mean()
+
+
+def per_rank_with_aggregate(df: pd.DataFrame, how: str, label: str, smoothing: float = 0.0) -> pd.DataFrame:
+    """Long frame [series, step, value] with one series per rank plus their mean (or sum) across ranks."""
+    if df.empty:
+        return pd.DataFrame(columns=["series", "step", "value"])
+    ranks = df[["rank", "step", "value"]].copy()
+    ranks["series"] = ranks["rank"].map(series_label)
+    combined = ranks.groupby("step", as_index=False)["value"].agg(how)
+    combined["series"] = label
+    out = pd.concat([ranks[["series", "step", "value"]], combined], ignore_index=True)
+    out = out.sort_values(["series", "step"])
+    out["value"] = out.groupby("series")["value"].transform(lambda v: ema(v, smoothing))
+    return out.reset_index(drop=True)
+
+
+def _line(data: pd.DataFrame, y_title: str, log_scale: bool = False, x: str = "step",
+          x_title: str = "step") -> alt.Chart:
+    scale = alt.Scale(type="log") if log_scale else alt.Scale(zero=False)
+    return (
+        alt.Chart(data, height=CHART_HEIGHT)
+        .mark_line(interpolate="linear")
+        .encode(
+            x=alt.X(f"{x}:Q", title=x_title),
+            y=alt.Y("value:Q", title=y_title, scale=scale),
+            color=alt.Color("series:N", title=None),
+            strokeDash=alt.condition(
+                alt.FieldOneOfPredicate(field="series", oneOf=[MEAN_LABEL, TOTAL_LABEL]),
+                alt.value([6, 3]), alt.value([1, 0]),
+            ),
+            tooltip=[alt.Tooltip("series:N"), alt.Tooltip(f"{x}:Q", title=x_title),
+                     alt.Tooltip("value:Q", format=".4g")],
+        )
+        .interactive(bind_y=False)  # zoom and pan along steps
+    )
+
+
+def loss_chart(df: pd.DataFrame, smoothing: float = 0.0, log_scale: bool = False) -> alt.Chart:
+    """Loss per rank and the mean across ranks."""
+    data = per_rank_with_aggregate(df, "mean", MEAN_LABEL, smoothing)
+    if log_scale:
+        data = data[data["value"] > 0]
+    return _line(data, "loss", log_scale).properties(title="Loss")
+
+
+def throughput_chart(df: pd.DataFrame, unit: str = "samples/s") -> alt.Chart:
+    """Throughput per rank and in total."""
+    return _line(per_rank_with_aggregate(df, "sum", TOTAL_LABEL), unit).properties(title=f"Throughput ({unit})")
+
+
+def timing_chart(step_time: pd.DataFrame, data_time: pd.DataFrame) -> alt.Chart:
+    """Compute time and data-wait time per step, per rank (seconds)."""
+    frames = []
+    for kind, df in (("step", step_time), ("data wait", data_time)):
+        if not df.empty:
+            part = df[["rank", "step", "value"]].copy()
+            part["series"] = part["rank"].map(series_label) + " · " + kind
+            part["kind"] = kind
+            frames.append(part)
+    data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["series", "step", "value", "kind"])
+    return (
+        alt.Chart(data, height=CHART_HEIGHT)
+        .mark_line()
+        .encode(
+            x=alt.X("step:Q", title="step"),
+            y=alt.Y("value:Q", title="seconds per step", scale=alt.Scale(zero=True)),
+            color=alt.Color("series:N", title=None),
+            strokeDash=alt.StrokeDash("kind:N", title=None),
+            tooltip=[alt.Tooltip("series:N"), alt.Tooltip("step:Q"), alt.Tooltip("value:Q", format=".3g")],
+        )
+        .interactive(bind_y=False)
+        .properties(title="Step time and data wait")
+    )
+
+
+def points_per_series(chart: alt.Chart) -> dict[str, int]:
+    """How many points each line sends to the browser (for tests and the point budget)."""
+    data = chart.data if isinstance(chart.data, pd.DataFrame) else pd.DataFrame()
+    return data.groupby("series").size().to_dict() if "series" in data else {}
+
+
+def validation_chart(df: pd.DataFrame, what: str = "accuracy") -> alt.Chart:
+    """Held-out accuracy or loss (rank 0, once per epoch)."""
+    data = df[["step", "value"]].assign(series=f"validation {what}")
+    return _line(data, f"validation {what}").properties(title=f"Validation {what}")
+
+
+def overlay_chart(data: pd.DataFrame, x_title: str = "step", smoothing: float = 0.0, log_scale: bool = False,
+                  band: bool = True) -> alt.LayerChart | alt.Chart:
+    """Loss of several runs on one axis, one colour per run; the min–max band over ranks behind each line."""
+    data = data.sort_values(["series", "x"]).copy()
+    if smoothing > 0 and not data.empty:
+        data["value"] = data.groupby("series")["value"].transform(lambda v: ema(v, smoothing))
+    if log_scale:
+        data = data[(data["value"] > 0) & (data["lo"] > 0)]
+    scale = alt.Scale(type="log") if log_scale else alt.Scale(zero=False)
+    base = alt.Chart(data, height=CHART_HEIGHT + 60)
+    line = base.mark_line().encode(
+        x=alt.X("x:Q", title=x_title),
+        y=alt.Y("value:Q", title="loss", scale=scale),
+        color=alt.Color("series:N", title="run"),
+        tooltip=[alt.Tooltip("series:N", title="run"), alt.Tooltip("x:Q", title=x_title, format=",.4g"),
+                 alt.Tooltip("value:Q", title="loss", format=".4g"),
+                 alt.Tooltip("lo:Q", title="min over ranks", format=".4g"),
+                 alt.Tooltip("hi:Q", title="max over ranks", format=".4g")],
+    )
+    if not band:
+        return line.interactive(bind_y=False).properties(title="Loss")
+    area = base.mark_area(opacity=0.15).encode(x="x:Q", y=alt.Y("lo:Q", scale=scale), y2="hi:Q",
+                                               color=alt.Color("series:N", title="run"))
+    return alt.layer(area, line).interactive(bind_y=False).properties(title="Loss")
+
+
+def throughput_bars(table: pd.DataFrame) -> alt.Chart:
+    """Mean total samples/s per run (table: run, samples_per_s)."""
+    return (
+        alt.Chart(table, height=max(80, 28 * len(table)))
+        .mark_bar()
+        .encode(x=alt.X("samples_per_s:Q", title="samples/s (all ranks)"), y=alt.Y("run:N", sort="-x", title=None),
+                color=alt.Color("run:N", legend=None),
+                tooltip=[alt.Tooltip("run:N"), alt.Tooltip("samples_per_s:Q", format=",.0f")])
+        .properties(title="Throughput")
+    )
+
+
+def scaling_chart(table: pd.DataFrame) -> alt.LayerChart:
+    """Measured throughput against ideal linear scaling, by world size."""
+    measured = table.assign(kind="measured", value=table["samples_per_s"])
+    ideal = table.assign(kind="ideal (linear)", value=table["ideal_samples_per_s"])
+    data = pd.concat([measured, ideal], ignore_index=True)[["world_size", "value", "kind", "run", "efficiency"]]
+    base = alt.Chart(data, height=CHART_HEIGHT).encode(
+        x=alt.X("world_size:Q", title="world size (ranks)"),
+        y=alt.Y("value:Q", title="samples/s"),
+        color=alt.Color("kind:N", title=None),
+        tooltip=[alt.Tooltip("run:N"), alt.Tooltip("world_size:Q"), alt.Tooltip("value:Q", format=",.0f"),
+                 alt.Tooltip("efficiency:Q", format=".0%")],
+    )
+    return alt.layer(base.mark_line(point=True)).properties(title="Scaling")

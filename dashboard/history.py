@@ -1,0 +1,237 @@
+"""Run history and comparison, computed without Streamlit: the runs table with filters, sort and
+pages; overlaid curves on a chosen x-axis; scaling efficiency; config diffs; target-loss summaries."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pandas as pd
+from sqlalchemy.orm import Session
+
+from db.queries import metric_series, run_metric_summaries
+from db.runs import RunInfo, get_run, list_runs
+
+RUN_COLUMNS = ["id", "name", "status", "started", "duration_s", "world_size", "devices", "backend", "batch",
+               "global_batch", "amp", "model", "final_loss", "best_loss", "samples_per_s", "tags", "notes"]
+SORTABLE = ["id", "name", "status", "started", "duration_s", "world_size", "model", "final_loss", "best_loss",
+            "samples_per_s"]
+X_AXES = {"step": "step", "samples": "samples seen", "time": "seconds since start"}
+# Settings that say how many/which workers run, not what is trained: runs differing only here scale.
+SCALING_FIELDS = {"name", "num_procs", "devices", "backend"}
+MAX_COMPARE = 10
+
+
+@dataclass(frozen=True)
+class RunFilter:
+    statuses: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    backends: tuple[str, ...] = ()
+    tag: str = ""
+    text: str = ""
+
+
+def runs_frame(s: Session) -> pd.DataFrame:
+    """Every run as one row (thousands stay fast: one query for runs, one over the coarsest rollups)."""
+    runs = list_runs(s)
+    if not runs:
+        return pd.DataFrame(columns=RUN_COLUMNS)
+    metrics = run_metric_summaries(s, [r.id for r in runs]).set_index("run_id")
+    rows = []
+    for r in runs:
+        cfg = r.config
+        rows.append({
+            "id": r.id, "name": r.name, "status": r.status,
+            "started": pd.to_datetime(r.started_at or r.created_at, unit="s"),
+            "duration_s": r.duration_s, "world_size": r.world_size,
+            "devices": ",".join(f"cuda:{d}" for d in cfg.get("devices", [])) or f"{r.world_size}× cpu",
+            "backend": _backend(cfg), "batch": cfg.get("batch_size"),
+            "global_batch": cfg.get("batch_size", 0) * r.world_size * cfg.get("grad_accum_steps", 1),
+            "amp": cfg.get("amp"), "model": cfg.get("model"),
+            "final_loss": metrics.at[r.id, "final_loss"], "best_loss": metrics.at[r.id, "best_loss"],
+            "samples_per_s": metrics.at[r.id, "samples_per_s"], "tags": ", ".join(r.tags), "notes": r.notes,
+        })
+    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def _backend(cfg: dict) -> str:
+    backend = cfg.get("backend", "auto")
+    if backend == "auto":
+        return "nccl" if cfg.get("devices") else "gloo"
+    return str(backend)
+
+
+def filter_runs(df: pd.DataFrame, f: RunFilter) -> pd.DataFrame:
+    out = df
+    if f.statuses:
+        out = out[out["status"].isin(f.statuses)]
+    if f.models:
+        out = out[out["model"].isin(f.models)]
+    if f.backends:
+        out = out[out["backend"].isin(f.backends)]
+    if f.tag:
+        out = out[out["tags"].map(lambda t: f.tag in [x.strip() for x in t.split(",")])]
+    if f.text:
+        needle = f.text.lower()
+        out = out[out["name"].str.lower().str.contains(needle, regex=False)
+                  | out["notes"].str.lower().str.contains(needle, regex=False)]
+    return out
+
+
+def sort_and_page(df: pd.DataFrame, sort_by: str = "id", descending: bool = True, page: int = 1,
+                  page_size: int = 50) -> tuple[pd.DataFrame, int]:
+    """One page of the sorted table and the number of pages."""
+    if sort_by not in SORTABLE:
+        raise ValueError(f"cannot sort by {sort_by!r}; choose one of {', '.join(SORTABLE)}")
+    ordered = df.sort_values(sort_by, ascending=not descending, na_position="last", kind="stable")
+    pages = max(1, -(-len(ordered) // page_size))
+    page = min(max(page, 1), pages)
+    return ordered.iloc[(page - 1) * page_size : page * page_size], pages
+
+
+# ---- compare ---------------------------------------------------------------------------------
+@dataclass
+class Comparison:
+    runs: list[RunInfo]
+    loss: dict[int, pd.DataFrame] = field(default_factory=dict)
+    speed: dict[int, pd.DataFrame] = field(default_factory=dict)
+
+
+def load_comparison(s: Session, run_ids: list[int], budget: int = 2000) -> Comparison:
+    runs = [get_run(s, i) for i in run_ids[:MAX_COMPARE]]
+    comp = Comparison(runs)
+    for r in runs:
+        comp.loss[r.id] = metric_series(s, r.id, "loss", max_points=budget)
+        comp.speed[r.id] = metric_series(s, r.id, "samples_per_s", max_points=budget)
+    return comp
+
+
+def run_label(run: RunInfo) -> str:
+    return f"#{run.id} {run.name}"
+
+
+def with_x(df: pd.DataFrame, run: RunInfo, x_axis: str) -> pd.DataFrame:
+    """Adds column x: the step, samples seen (step × global batch) or seconds since the run started."""
+    out = df.copy()
+    if x_axis == "step":
+        out["x"] = out["step"].astype(float)
+    elif x_axis == "samples":
+        cfg = run.config
+        out["x"] = out["step"] * cfg.get("batch_size", 1) * run.world_size * cfg.get("grad_accum_steps", 1)
+    elif x_axis == "time":
+        start = run.started_at or (float(out["time"].min()) if len(out) else 0.0)
+        out["x"] = out["time"] - start
+    else:
+        raise ValueError(f"x axis must be one of {', '.join(X_AXES)}")
+    return out
+
+
+def overlay_frame(comp: Comparison, x_axis: str = "step", per_rank: bool = False) -> pd.DataFrame:
+    """Long frame [series, run_id, rank, x, value, lo, hi]: per run the mean over ranks with the band of
+    min and max, or one line per rank."""
+    frames = []
+    for run in comp.runs:
+        df = with_x(comp.loss[run.id], run, x_axis)
+        if df.empty:
+            continue
+        if per_rank:
+            part = df.assign(series=df["rank"].map(lambda k, r=run: f"{run_label(r)} · rank {int(k)}"),
+                             lo=df["vmin"], hi=df["vmax"])
+        else:
+            part = df.groupby("step", as_index=False).agg(x=("x", "mean"), value=("value", "mean"),
+                                                          lo=("vmin", "min"), hi=("vmax", "max"))
+            part = part.assign(series=run_label(run), rank=-1)
+        frames.append(part.assign(run_id=run.id)[["series", "run_id", "rank", "x", "value", "lo", "hi"]])
+    if not frames:
+        return pd.DataFrame(columns=["series", "run_id", "rank", "x", "value", "lo", "hi"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def mean_throughput(speed: pd.DataFrame) -> float | None:
+    """Mean total samples/s: each rank's mean (weighted by the points in each bucket), summed."""
+    if speed.empty:
+        return None
+    per_rank = speed.assign(w=speed["value"] * speed["count"]).groupby("rank")[["w", "count"]].sum()
+    return float((per_rank["w"] / per_rank["count"]).sum())
+
+
+def config_key(cfg: dict) -> str:
+    return json.dumps({k: v for k, v in cfg.items() if k not in SCALING_FIELDS}, sort_keys=True)
+
+
+def scaling_table(comp: Comparison) -> pd.DataFrame:
+    """Scaling efficiency = throughput_N ÷ (N/b × throughput_b), with b the 1-process run of the same
+    config or, failing that, the smallest world size of that config among the chosen runs."""
+    rows = []
+    for run in comp.runs:
+        rows.append({"run": run_label(run), "run_id": run.id, "world_size": run.world_size,
+                     "samples_per_s": mean_throughput(comp.speed[run.id]), "group": config_key(run.config)})
+    df = pd.DataFrame(rows)
+    out = []
+    for _, group in df.groupby("group", sort=False):
+        if group["world_size"].nunique() < 2:
+            continue
+        base = group.sort_values("world_size").iloc[0]
+        basis = ("the 1-process run" if base["world_size"] == 1 else
+                 f"the smallest world size present ({base['world_size']}, no 1-process run of this config)")
+        for row in group.itertuples(index=False):
+            ideal = base["samples_per_s"] * row.world_size / base["world_size"] if base["samples_per_s"] else None
+            out.append({"run": row.run, "world_size": row.world_size, "samples_per_s": row.samples_per_s,
+                        "ideal_samples_per_s": ideal,
+                        "efficiency": (row.samples_per_s / ideal) if ideal and row.samples_per_s else None,
+                        "baseline": f"{base['run']}: {basis}"})
+    return pd.DataFrame(out, columns=["run", "world_size", "samples_per_s", "ideal_samples_per_s", "efficiency",
+                                      "baseline"])
+
+
+def config_diff(runs: list[RunInfo]) -> pd.DataFrame:
+    """Only the settings that differ across the runs: one row per setting, one column per run."""
+    keys = sorted(set().union(*(r.config for r in runs)))
+    rows = []
+    for key in keys:
+        values = [r.config.get(key) for r in runs]
+        if any(json.dumps(v, sort_keys=True) != json.dumps(values[0], sort_keys=True) for v in values):
+            rows.append({"setting": key, **{run_label(r): _cell(v) for r, v in zip(runs, values, strict=True)}})
+    return pd.DataFrame(rows, columns=["setting", *(run_label(r) for r in runs)])
+
+
+def _cell(value: object) -> str:
+    return json.dumps(value) if isinstance(value, list | dict) else str(value)
+
+
+def summary_table(comp: Comparison, target_loss: float | None = None) -> pd.DataFrame:
+    rows = []
+    for run in comp.runs:
+        loss = comp.loss[run.id]
+        mean = (loss.groupby("step", as_index=False).agg(value=("value", "mean"), time=("time", "max"))
+                if not loss.empty else loss)
+        row = {"run": run_label(run), "status": run.status,
+               "final_loss": float(mean["value"].iloc[-1]) if len(mean) else None,
+               "best_loss": float(loss["vmin"].min()) if len(loss) else None,
+               "total_time_s": run.duration_s, "samples_per_s": mean_throughput(comp.speed[run.id]),
+               "time_to_target_s": None, "samples_to_target": None}
+        if target_loss is not None and len(mean):
+            hit = mean[mean["value"] <= target_loss]
+            if len(hit):
+                first = hit.iloc[0]
+                start = run.started_at or float(loss["time"].min())
+                row["time_to_target_s"] = float(first["time"]) - start
+                cfg = run.config
+                row["samples_to_target"] = int(first["step"]) * cfg.get("batch_size", 1) * run.world_size * cfg.get(
+                    "grad_accum_steps", 1)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def parse_run_ids(raw: str | list[str] | None) -> list[int]:
+    """Run ids from a URL query (`?runs=3,5,9` or repeated `runs=`); junk is ignored."""
+    if not raw:
+        return []
+    parts = raw if isinstance(raw, list) else [raw]
+    ids: list[int] = []
+    for part in parts:
+        for token in str(part).split(","):
+            token = token.strip()
+            if token.isdigit() and int(token) not in ids:
+                ids.append(int(token))
+    return ids[:MAX_COMPARE]

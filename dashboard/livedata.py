@@ -1,0 +1,180 @@
+"""What the Live page shows, computed without Streamlit: incremental series, progress, the per-rank
+table with straggler/hang flags, and machine stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pandas as pd
+import psutil
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from db.queries import DEFAULT_POINT_BUDGET, SERIES_COLUMNS, metric_series
+from db.runs import RunInfo
+
+LIVE_METRICS = ("loss", "samples_per_s", "tokens_per_s", "step_time", "data_time", "val_loss", "val_acc")
+STALE_HEARTBEAT_S = 15.0
+STRAGGLER_RATIO = 1.5
+
+
+@dataclass
+class SeriesCache:
+    """The points a Live view already holds; each refresh fetches only points after the last step,
+    and re-reads a downsampled copy when a line would outgrow the point budget."""
+
+    run_id: int
+    budget: int = DEFAULT_POINT_BUDGET
+    frames: dict[str, pd.DataFrame] = field(default_factory=dict)
+    fetches: int = 0
+
+    def refresh(self, s: Session, names: tuple[str, ...] = LIVE_METRICS) -> dict[str, pd.DataFrame]:
+        for name in names:
+            held = self.frames.get(name)
+            if held is None or held.empty:
+                self.frames[name] = metric_series(s, self.run_id, name, max_points=self.budget)
+            else:
+                after = int(held["step"].min() if held.empty else held.groupby("rank")["step"].max().min())
+                new = metric_series(s, self.run_id, name, max_points=self.budget, after_step=after)
+                merged = pd.concat([held[held["step"] <= after], new], ignore_index=True)
+                merged = merged.drop_duplicates(["rank", "step"], keep="last").sort_values(["rank", "step"])
+                if merged.groupby("rank").size().max() > self.budget:
+                    merged = metric_series(s, self.run_id, name, max_points=self.budget)
+                self.frames[name] = merged.reset_index(drop=True)
+            self.fetches += 1
+        return self.frames
+
+    def get(self, name: str) -> pd.DataFrame:
+        return self.frames.get(name, pd.DataFrame(columns=SERIES_COLUMNS))
+
+
+@dataclass(frozen=True)
+class Progress:
+    done: int
+    total: int | None
+    elapsed_s: float
+    eta_s: float | None
+
+    @property
+    def fraction(self) -> float:
+        return min(self.done / self.total, 1.0) if self.total else 0.0
+
+    def text(self) -> str:
+        total = self.total or "?"
+        eta = f" · ETA {format_duration(self.eta_s)}" if self.eta_s is not None else ""
+        return f"{self.done}/{total} steps · {format_duration(self.elapsed_s)} elapsed{eta}"
+
+
+def progress(run: RunInfo, states: pd.DataFrame, now: float | None = None) -> Progress:
+    now = now or time.time()
+    done = int(states["step"].min()) if len(states) else 0
+    start = run.started_at or run.created_at
+    elapsed = ((run.ended_at or now) - start) if start else 0.0
+    eta = None
+    if run.is_active and run.total_steps and done > 0:
+        eta = elapsed / done * max(run.total_steps - done, 0)
+    return Progress(done, run.total_steps, elapsed, eta)
+
+
+def format_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def _last_per_rank(df: pd.DataFrame) -> pd.Series:
+    if df.empty:
+        return pd.Series(dtype=float)
+    return df.sort_values("step").groupby("rank")["value"].last()
+
+
+def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: float | None = None) -> pd.DataFrame:
+    """One row per rank with a plain-words flag for stale heartbeats and stragglers."""
+    now = now or time.time()
+    loss = _last_per_rank(cache.get("loss"))
+    speed = _last_per_rank(cache.get("samples_per_s"))
+    step_time = _last_per_rank(cache.get("step_time"))
+    rows = []
+    for st_row in states.itertuples(index=False):
+        rank = int(st_row.rank)
+        age = now - float(st_row.heartbeat_at) if st_row.heartbeat_at else None
+        rows.append({
+            "rank": rank, "status": st_row.status, "step": int(st_row.step),
+            "loss": loss.get(rank), "samples/s": speed.get(rank), "step time (s)": step_time.get(rank),
+            "heartbeat age (s)": round(age, 1) if age is not None else None,
+            "host": st_row.host, "device": st_row.device,
+            "flag": rank_flag(run, st_row.status, age, step_time, rank),
+        })
+    return pd.DataFrame(rows, columns=["rank", "status", "step", "loss", "samples/s", "step time (s)",
+                                       "heartbeat age (s)", "host", "device", "flag"])
+
+
+def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, step_times: pd.Series, rank: int) -> str:
+    if not run.is_active or status != "running":
+        return ""
+    if heartbeat_age is not None and heartbeat_age > STALE_HEARTBEAT_S:
+        return f"no heartbeat for {heartbeat_age:.0f} s: hung (a collective waiting on a peer?) or dead"
+    if rank in step_times.index and len(step_times) > 1:
+        others = step_times.drop(rank)
+        ratio = step_times[rank] / max(float(others.median()), 1e-12)
+        if ratio > STRAGGLER_RATIO:
+            return f"straggler: its steps take {ratio:.1f}× the others' — the whole group waits for it"
+    return ""
+
+
+def failures(events: pd.DataFrame) -> pd.DataFrame:
+    return events[events["kind"].isin(["rank_failed", "failed", "desync", "lost"])]
+
+
+@dataclass(frozen=True)
+class SystemStats:
+    cpu_percent: float
+    mem_used_gib: float
+    mem_total_gib: float
+    gpus: tuple[dict[str, float | str], ...]
+
+
+def system_stats() -> SystemStats:
+    mem = psutil.virtual_memory()
+    return SystemStats(psutil.cpu_percent(interval=None), (mem.total - mem.available) / 2**30, mem.total / 2**30,
+                       tuple(nvml_stats()))
+
+
+def nvml_stats() -> list[dict[str, float | str]]:
+    """Per-GPU utilisation and memory through NVML (nvidia-ml-py, optional); empty without it."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver on this machine
+        return []
+    out: list[dict[str, float | str]] = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            name = pynvml.nvmlDeviceGetName(handle)
+            out.append({"gpu": i, "name": name if isinstance(name, str) else name.decode(),
+                        "util %": float(util.gpu), "memory used (GiB)": mem.used / 2**30,
+                        "memory total (GiB)": mem.total / 2**30})
+    finally:
+        pynvml.nvmlShutdown()
+    return out
+
+
+def newest_run_id(engine: Engine) -> int | None:
+    from db.runs import ACTIVE_STATUSES, list_runs
+
+    with Session(engine) as s:
+        active = list_runs(s, statuses=ACTIVE_STATUSES, limit=1)
+        if active:
+            return active[0].id
+        latest = list_runs(s, limit=1)
+    return latest[0].id if latest else None

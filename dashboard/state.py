@@ -1,0 +1,30 @@
+"""Per-process resources for the dashboard: the engine (made once), the machine, throttled reconciliation."""
+
+from __future__ import annotations
+
+import streamlit as st
+from sqlalchemy import Engine
+
+from db.migrate import open_store
+from trainer.config import Machine, detect_machine
+from trainer.launcher import reconcile
+
+
+@st.cache_resource(show_spinner=False)
+def engine() -> Engine:
+    return open_store()
+
+
+@st.cache_resource(show_spinner="Looking for GPUs…")
+def machine() -> Machine:
+    return detect_machine()
+
+
+@st.cache_data(ttl=3, show_spinner=False)
+def _reconcile_now(url: str) -> list[int]:
+    return reconcile(engine())
+
+
+def reconcile_runs() -> list[int]:
+    """Any reader of runs notices runs whose supervisor is gone (at most every few seconds)."""
+    return _reconcile_now(str(engine().url))

@@ -1,0 +1,1 @@
+"""The dashboard's pages: layout and widgets only."""

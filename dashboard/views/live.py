@@ -1,0 +1,156 @@
+"""Live: one run's header, charts, ranks, events, logs and machine stats, refreshing while it runs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import streamlit as st
+from sqlalchemy.orm import Session
+
+from dashboard import charts, livedata, nav, state
+from db.queries import events, rank_states
+from db.runs import RunInfo, RunNotFound, get_run, list_runs
+from trainer.launcher import StopError, rank_log_path, stop, tail
+
+REFRESH_S = 1.5
+STATUS_COLORS = {"queued": "gray", "running": "blue", "stopping": "orange", "succeeded": "green",
+                 "failed": "red", "stopped": "orange", "lost": "violet"}
+
+
+def _pick_run() -> int | None:
+    with Session(state.engine()) as s:
+        runs = list_runs(s, limit=200)
+    if not runs:
+        return None
+    ids = [r.id for r in runs]
+    labels = {r.id: f"#{r.id} · {r.name} · {r.status}" for r in runs}
+    wanted = st.query_params.get("run")
+    default = int(wanted) if wanted and wanted.isdigit() and int(wanted) in ids else livedata.newest_run_id(
+        state.engine())
+    choice = st.selectbox("Run", ids, index=ids.index(default) if default in ids else 0,
+                          format_func=lambda i: labels[i])
+    st.query_params["run"] = str(choice)  # a link to this page reopens this run
+    return int(choice)
+
+
+def render() -> None:
+    state.reconcile_runs()
+    run_id = _pick_run()
+    if run_id is None:
+        st.title("Live")
+        st.info("No runs yet. Configure one and launch it: it will show up here, every rank, live.")
+        st.page_link(nav.page("new"), label="New run", icon=":material/rocket_launch:")
+        return
+    if st.session_state.get("_live_cache_run") != run_id:
+        st.session_state["_live_cache"] = livedata.SeriesCache(run_id)
+        st.session_state["_live_cache_run"] = run_id
+    with Session(state.engine()) as s:
+        active = get_run(s, run_id).is_active
+    c1, c2 = st.columns([3, 1])
+    smoothing = c1.slider("Smoothing", 0.0, 0.99, 0.0, 0.01, help="Exponential moving average of the loss.")
+    log_scale = c2.toggle("Log scale", value=False)
+    panel = st.fragment(run_every=REFRESH_S if active else None)(_panel)
+    panel(run_id, smoothing, log_scale, active)
+
+
+def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> None:
+    engine = state.engine()
+    cache: livedata.SeriesCache = st.session_state["_live_cache"]
+    try:
+        with Session(engine) as s:
+            run = get_run(s, run_id)
+            states = rank_states(s, run_id)
+            evs = events(s, run_id)
+            cache.refresh(s)
+    except RunNotFound:
+        st.warning(f"Run {run_id} no longer exists.")
+        return
+    _header(run, states)
+    if was_active and not run.is_active:
+        st.rerun()  # the run ended: draw once more without the timer
+    _charts(cache, smoothing, log_scale)
+    st.subheader("Ranks")
+    st.dataframe(livedata.rank_table(run, states, cache), hide_index=True, width="stretch")
+    _events(evs, run)
+    _logs(run)
+    _system()
+
+
+def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
+    left, right = st.columns([4, 1])
+    with left:
+        st.markdown(f"## {run.name}  :{STATUS_COLORS.get(run.status, 'gray')}-badge[{run.status}]",
+                    help=f"run id {run.id} · folder {run.run_dir}")
+        prog = livedata.progress(run, states)
+        st.progress(prog.fraction, text=prog.text())
+    with right:
+        if run.is_active:
+            with st.popover("Stop", icon=":material/stop_circle:", width="stretch"):
+                st.write(f"Stop run #{run.id}? Every rank finishes its step, flushes and exits.")
+                if st.button("Yes, stop it", type="primary", key=f"confirm_stop_{run.id}"):
+                    try:
+                        status = stop(state.engine(), run.id)
+                        st.toast(f"Run {run.id} {status}")
+                    except StopError as exc:
+                        st.error(str(exc))
+                    st.rerun()
+        if run.error and run.status == "failed":
+            st.error(f"failed: rank(s) {list(run.failed_ranks) or '?'}")
+
+
+def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool) -> None:
+    loss = cache.get("loss")
+    if loss.empty:
+        st.info("Waiting for the first metrics: torchrun and the ranks take a few seconds to start.")
+        return
+    left, right = st.columns(2)
+    left.altair_chart(charts.loss_chart(loss, smoothing, log_scale), width="stretch")
+    tokens = cache.get("tokens_per_s")
+    speed = tokens if not tokens.empty else cache.get("samples_per_s")
+    right.altair_chart(charts.throughput_chart(speed, "tokens/s" if not tokens.empty else "samples/s"),
+                       width="stretch")
+    left, right = st.columns(2)
+    left.altair_chart(charts.timing_chart(cache.get("step_time"), cache.get("data_time")), width="stretch")
+    acc, val_loss = cache.get("val_acc"), cache.get("val_loss")
+    val, what = (acc, "accuracy") if not acc.empty else (val_loss, "loss")
+    if not val.empty:
+        right.altair_chart(charts.validation_chart(val, what), width="stretch")
+
+
+def _events(evs, run: RunInfo) -> None:  # type: ignore[no-untyped-def]
+    st.subheader("Events")
+    if evs.empty:
+        st.caption("No events yet.")
+        return
+    table = evs[["time", "kind", "rank", "message"]].copy()
+    table["time"] = table["time"].map(lambda t: time.strftime("%H:%M:%S", time.localtime(t)))
+    st.dataframe(table, hide_index=True, width="stretch")
+    for ev in livedata.failures(evs).itertuples(index=False):
+        if ev.detail:
+            with st.expander(f"{ev.kind}: {ev.message[:120]}"):
+                st.code(ev.detail, language="text")
+
+
+def _logs(run: RunInfo) -> None:
+    st.subheader("Logs")
+    c1, c2 = st.columns([1, 1])
+    rank = c1.selectbox("Rank", list(range(run.world_size)), key="log_rank")
+    stream = c2.radio("Stream", ["stderr", "stdout"], horizontal=True, key="log_stream")
+    path = rank_log_path(Path(run.run_dir), int(rank), stream) if run.run_dir else None
+    if path is None:
+        st.caption("No log yet for this rank.")
+    else:
+        st.code(tail(path, 200) or "(empty)", language="text")
+
+
+def _system() -> None:
+    st.subheader("System")
+    stats = livedata.system_stats()
+    c1, c2 = st.columns(2)
+    c1.metric("CPU", f"{stats.cpu_percent:.0f} %")
+    c2.metric("Memory", f"{stats.mem_used_gib:.1f} / {stats.mem_total_gib:.1f} GiB")
+    if stats.gpus:
+        st.dataframe(stats.gpus, hide_index=True, width="stretch")
+    else:
+        st.caption("No NVML here (no NVIDIA GPU, or nvidia-ml-py not installed): GPU stats hidden.")

@@ -1,0 +1,113 @@
+"""Runs: every run with filters, sort and pages; edit, open, clone, export, delete; pick runs to compare."""
+
+from __future__ import annotations
+
+import streamlit as st
+from sqlalchemy.orm import Session
+
+from dashboard import history, nav, state
+from db.queries import all_points
+from db.runs import clean_tags, get_run, update_run
+from trainer.launcher import DeleteError, delete_run
+
+PAGE_SIZE = 50
+STATUSES = ["queued", "running", "stopping", "succeeded", "failed", "stopped", "lost"]
+
+
+@st.cache_data(ttl=2, show_spinner=False)
+def _runs_frame(_url: str, _version: int):  # type: ignore[no-untyped-def]
+    with Session(state.engine()) as s:
+        return history.runs_frame(s)
+
+
+def _bump() -> None:
+    st.session_state["_runs_version"] = st.session_state.get("_runs_version", 0) + 1
+
+
+def render() -> None:
+    st.title("Runs")
+    state.reconcile_runs()
+    df = _runs_frame(str(state.engine().url), st.session_state.get("_runs_version", 0))
+    if df.empty:
+        st.info("No runs yet.")
+        st.page_link(nav.page("new"), label="New run", icon=":material/rocket_launch:")
+        return
+    f = _filters(df)
+    shown = history.filter_runs(df, f)
+    c1, c2, c3 = st.columns([2, 1, 1])
+    sort_by = c1.selectbox("Sort by", history.SORTABLE, index=0)
+    descending = c2.toggle("Descending", value=True)
+    page_count = max(1, -(-len(shown) // PAGE_SIZE))
+    page = c3.number_input(f"Page (of {page_count})", min_value=1, max_value=page_count, value=1, step=1)
+    page_df, _ = history.sort_and_page(shown, sort_by, descending, int(page), PAGE_SIZE)
+    st.caption(f"{len(shown)} of {len(df)} runs")
+    event = st.dataframe(
+        page_df, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
+        key="runs_table",
+        column_config={
+            "started": st.column_config.DatetimeColumn("started", format="YYYY-MM-DD HH:mm:ss"),
+            "duration_s": st.column_config.NumberColumn("duration (s)", format="%.0f"),
+            "final_loss": st.column_config.NumberColumn("final loss", format="%.4g"),
+            "best_loss": st.column_config.NumberColumn("best loss", format="%.4g"),
+            "samples_per_s": st.column_config.NumberColumn("samples/s", format="%.0f"),
+        },
+    )
+    selected = [int(page_df.iloc[i]["id"]) for i in event.selection.rows] if event and event.selection else []
+    if len(selected) >= 2:
+        if st.button(f"Compare {len(selected)} runs", type="primary", icon=":material/compare_arrows:"):
+            nav.go("compare", runs=",".join(str(i) for i in selected[: history.MAX_COMPARE]))
+    elif len(selected) == 1:
+        _one_run(selected[0])
+    else:
+        st.caption("Select one run to edit, export or delete it; two or more to compare them.")
+
+
+def _filters(df) -> history.RunFilter:  # type: ignore[no-untyped-def]
+    c1, c2, c3, c4, c5 = st.columns([2, 2, 2, 1, 2])
+    statuses = c1.multiselect("Status", STATUSES)
+    models = c2.multiselect("Model", sorted(df["model"].dropna().unique()))
+    backends = c3.multiselect("Backend", sorted(df["backend"].dropna().unique()))
+    tags = sorted({t.strip() for cell in df["tags"] for t in cell.split(",") if t.strip()})
+    tag = c4.selectbox("Tag", ["", *tags])
+    text = c5.text_input("Search name and notes")
+    return history.RunFilter(tuple(statuses), tuple(models), tuple(backends), tag or "", text)
+
+
+def _one_run(run_id: int) -> None:
+    engine = state.engine()
+    with Session(engine) as s:
+        run = get_run(s, run_id)
+    st.subheader(f"#{run.id} {run.name}")
+    with st.form(f"edit_{run.id}"):
+        name = st.text_input("Name", value=run.name, max_chars=200)
+        tags = st.text_input("Tags (comma-separated)", value=", ".join(run.tags))
+        notes = st.text_area("Notes", value=run.notes)
+        if st.form_submit_button("Save"):
+            if not name.strip():
+                st.error("Name must not be empty.")
+            else:
+                with Session(engine) as s, s.begin():
+                    update_run(s, run.id, name=name.strip(), tags=clean_tags(tags.split(",")), notes=notes)
+                _bump()
+                st.rerun()
+    c1, c2, c3, c4, c5 = st.columns(5)
+    if c1.button("Open Live", icon=":material/monitoring:"):
+        nav.go("live", run=str(run.id))
+    if c2.button("Clone into New run", icon=":material/content_copy:"):
+        nav.go("new", clone=str(run.id))
+    with Session(engine) as s:
+        points = all_points(s, run.id)
+    c3.download_button("Export CSV", points.to_csv(index=False), file_name=f"run-{run.id}.csv", mime="text/csv")
+    c4.download_button("Export JSON", points.to_json(orient="records"), file_name=f"run-{run.id}.json",
+                       mime="application/json")
+    with c5.popover("Delete", icon=":material/delete:", disabled=run.is_active,
+                    help="Stop the run first" if run.is_active else None):
+        st.write(f"Delete run #{run.id} with its metrics, events, logs and checkpoints? This cannot be undone.")
+        if st.button("Yes, delete it", type="primary", key=f"delete_{run.id}"):
+            try:
+                delete_run(engine, run.id)
+            except DeleteError as exc:
+                st.error(str(exc))
+            else:
+                _bump()
+                st.rerun()

@@ -1,0 +1,170 @@
+"""Run rows, events and rank states: plain writes and reads with no pandas, so the trainer and the
+supervisor start fast. Functions take a Session first and leave the transaction to the caller."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.orm import Session
+
+from db.models import MetricPoint, MetricRollup, RankState, Run, RunEvent
+
+ACTIVE_STATUSES = ("queued", "running", "stopping")
+FINAL_STATUSES = ("succeeded", "failed", "stopped", "lost")
+
+
+class RunNotFound(LookupError):
+    def __init__(self, run_id: int) -> None:
+        super().__init__(f"no run with id {run_id}; `ddpdash runs` lists them")
+        self.run_id = run_id
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: int
+    key: str
+    name: str
+    status: str
+    config: dict[str, Any]
+    world_size: int
+    run_dir: str
+    host: str
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    heartbeat_at: float | None
+    total_steps: int | None
+    supervisor_pid: int | None
+    torchrun_pid: int | None
+    worker_pids: tuple[int, ...]
+    exit_code: int | None
+    failed_ranks: tuple[int, ...]
+    error: str
+    tags: tuple[str, ...]
+    notes: str
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE_STATUSES
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None:
+            return None
+        return (self.ended_at or time.time()) - self.started_at
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _info(r: Run) -> RunInfo:
+    return RunInfo(
+        id=r.id, key=r.key, name=r.name, status=r.status, config=json.loads(r.config_json),
+        world_size=r.world_size, run_dir=r.run_dir, host=r.host, created_at=r.created_at,
+        started_at=r.started_at, ended_at=r.ended_at, heartbeat_at=r.heartbeat_at, total_steps=r.total_steps,
+        supervisor_pid=r.supervisor_pid, torchrun_pid=r.torchrun_pid, worker_pids=_ints(r.worker_pids),
+        exit_code=r.exit_code, failed_ranks=_ints(r.failed_ranks), error=r.error,
+        tags=tuple(t for t in r.tags.split(",") if t), notes=r.notes,
+    )
+
+
+def create_run(
+    s: Session, *, key: str, name: str, config_json: str, world_size: int, run_dir: str = "", host: str = "",
+    status: str = "queued",
+) -> int:
+    return int(s.execute(
+        insert(Run).values(
+            key=key, name=name, status=status, config_json=config_json, world_size=world_size,
+            run_dir=run_dir, host=host, created_at=time.time(),
+        ).returning(Run.id)
+    ).scalar_one())
+
+
+def find_run_by_key(s: Session, key: str) -> int | None:
+    return s.scalar(select(Run.id).where(Run.key == key))
+
+
+def get_run(s: Session, run_id: int) -> RunInfo:
+    r = s.get(Run, run_id)
+    if r is None:
+        raise RunNotFound(run_id)
+    return _info(r)
+
+
+def _columns(values: dict[str, Any]) -> dict[str, Any]:
+    """Lists of PIDs, ranks and tags are stored as comma-separated text."""
+    out = dict(values)
+    for name in ("worker_pids", "failed_ranks"):
+        if name in out and not isinstance(out[name], str):
+            out[name] = ",".join(str(v) for v in out[name])
+    if "tags" in out and not isinstance(out["tags"], str):
+        out["tags"] = ",".join(clean_tags(out["tags"]))
+    return out
+
+
+def update_run(s: Session, run_id: int, **values: Any) -> None:
+    s.execute(update(Run).where(Run.id == run_id).values(**_columns(values)))
+
+
+def finish_run(s: Session, run_id: int, status: str, **values: Any) -> bool:
+    """Set a final status unless one is already set (the first writer of the truth wins)."""
+    values.setdefault("ended_at", time.time())
+    result = s.execute(
+        update(Run).where(Run.id == run_id, Run.status.not_in(FINAL_STATUSES))
+        .values(status=status, **_columns(values))
+    )
+    return bool(result.rowcount)
+
+
+def clean_tags(tags: Any) -> list[str]:
+    out: list[str] = []
+    for tag in tags:
+        t = str(tag).strip().replace(",", " ")
+        if t and t not in out:
+            out.append(t[:50])
+    return out
+
+
+def list_runs(s: Session, *, statuses: tuple[str, ...] | None = None, limit: int | None = None) -> list[RunInfo]:
+    q = select(Run).order_by(Run.id.desc())
+    if statuses:
+        q = q.where(Run.status.in_(statuses))
+    if limit:
+        q = q.limit(limit)
+    return [_info(r) for r in s.execute(q).scalars()]
+
+
+def delete_run_rows(s: Session, run_id: int) -> None:
+    for model in (MetricPoint, MetricRollup, RankState, RunEvent):
+        s.execute(delete(model).where(model.run_id == run_id))
+    s.execute(delete(Run).where(Run.id == run_id))
+
+
+def add_event(s: Session, run_id: int, kind: str, message: str, *, rank: int | None = None, detail: str = "") -> None:
+    s.execute(insert(RunEvent).values(run_id=run_id, time=time.time(), kind=kind, rank=rank, message=message,
+                                      detail=detail))
+
+
+def set_rank_status(s: Session, run_id: int, rank: int, status: str) -> None:
+    s.execute(update(RankState).where(RankState.run_id == run_id, RankState.rank == rank).values(status=status))
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    rank: int
+    status: str
+    step: int
+    heartbeat_at: float
+
+
+def rank_statuses(s: Session, run_id: int) -> list[RankStatus]:
+    rows = s.execute(
+        select(RankState.rank, RankState.status, RankState.step, RankState.heartbeat_at)
+        .where(RankState.run_id == run_id).order_by(RankState.rank)
+    ).all()
+    return [RankStatus(*row) for row in rows]
