@@ -138,7 +138,7 @@ def overlay_chart(data: pd.DataFrame, x_title: str = "step", smoothing: float = 
 def throughput_bars(table: pd.DataFrame) -> alt.Chart:
     """Mean total samples/s per run (table: run, samples_per_s)."""
     return (
-        alt.Chart(table, height=max(80, 28 * len(table)))
+        alt.Chart(table, height=max(80, 28 * len(table) + 50))
         .mark_bar()
         .encode(x=alt.X("samples_per_s:Q", title="samples/s (all ranks)"), y=alt.Y("run:N", sort="-x", title=None),
                 color=alt.Color("run:N", legend=None),

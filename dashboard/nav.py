@@ -6,21 +6,19 @@ from typing import Any
 
 import streamlit as st
 
+# (url path, title, icon, script relative to dashboard/app.py)
 PAGE_SPECS = (
-    ("live", "Live", ":material/monitoring:", "dashboard.views.live"),
-    ("new", "New run", ":material/rocket_launch:", "dashboard.views.new_run"),
-    ("runs", "Runs", ":material/table_rows:", "dashboard.views.runs"),
-    ("compare", "Compare", ":material/compare_arrows:", "dashboard.views.compare"),
+    ("live", "Live", ":material/monitoring:", "views/live.py"),
+    ("new", "New run", ":material/rocket_launch:", "views/new_run.py"),
+    ("runs", "Runs", ":material/table_rows:", "views/runs.py"),
+    ("compare", "Compare", ":material/compare_arrows:", "views/compare.py"),
 )
 
 
 def page(name: str) -> Any:
-    import importlib
-
-    for url_path, title, icon, module in PAGE_SPECS:
+    for url_path, title, icon, script in PAGE_SPECS:
         if url_path == name:
-            render = importlib.import_module(module).render
-            return st.Page(render, title=title, icon=icon, url_path=url_path, default=url_path == "live")
+            return st.Page(script, title=title, icon=icon, url_path=url_path, default=url_path == "live")
     raise KeyError(name)
 
 

@@ -5,14 +5,20 @@ from __future__ import annotations
 import streamlit as st
 from sqlalchemy import Engine
 
+from db.engine import default_db_url
 from db.migrate import open_store
 from trainer.config import Machine, detect_machine
 from trainer.launcher import reconcile
 
 
 @st.cache_resource(show_spinner=False)
+def _engine(url: str) -> Engine:
+    return open_store(url)
+
+
 def engine() -> Engine:
-    return open_store()
+    """One engine per database URL for the whole server process."""
+    return _engine(default_db_url())
 
 
 @st.cache_resource(show_spinner="Looking for GPUs…")

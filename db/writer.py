@@ -15,36 +15,25 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine, delete, func, insert, literal, select, update
+from sqlalchemy import Connection, Engine, Table, bindparam, delete, func, insert, literal, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup, RankState, Run, RunEvent
+from db.rollup import Bucket, as_sorted_arrays, roll_up
 
 log = logging.getLogger(__name__)
 
+POINT_COLUMNS = ("run_id", "rank", "step", "name", "value", "time")
+ROLLUP_COLUMNS = ("run_id", "name", "width", "rank", "bucket", "step_min", "step_max", "vmin", "vmax", "vsum",
+                  "count", "time_max")
+_DELETE_ROLLUPS_FROM = delete(MetricRollup).where(
+    MetricRollup.run_id == bindparam("r"), MetricRollup.rank == bindparam("k"), MetricRollup.name == bindparam("n"),
+    MetricRollup.width == bindparam("w"), MetricRollup.bucket >= bindparam("b"),
+)
 FLUSH_INTERVAL_S = 1.0
 MAX_BUFFERED_LOGS = 200_000  # log() calls held in memory at most; the oldest are dropped past it
 CLOSE_DEADLINE_S = 30.0
-
-
-@dataclass
-class _Bucket:
-    step_min: int
-    step_max: int
-    vmin: float
-    vmax: float
-    vsum: float
-    count: int
-    time_max: float
-
-    def add(self, step: int, value: float, t: float) -> None:
-        self.step_max = step
-        self.vmin = min(self.vmin, value)
-        self.vmax = max(self.vmax, value)
-        self.vsum += value
-        self.count += 1
-        self.time_max = t
 
 
 @dataclass
@@ -77,7 +66,7 @@ class MetricWriter:
         self.logged_points = 0
         self.written_points = 0
         self._pending = _Pending()
-        self._open: dict[tuple[str, int], tuple[int, _Bucket]] = {}  # (name, width) -> (bucket, agg)
+        self._open: dict[tuple[str, int], Bucket] = {}  # (metric, width) -> the bucket still filling
         self._status = "running"
         self._run_values: dict[str, object] = {}
         self._step = 0
@@ -162,72 +151,54 @@ class MetricWriter:
 
     def _write(self, logs: list[tuple[int, float, Mapping[str, float]]], events: list[dict[str, object]]) -> None:
         run_id, rank = self.run_id, self.rank
-        rows = [
-            {"run_id": run_id, "rank": rank, "step": step, "name": name, "value": value, "time": t}
-            for step, t, values in logs
-            for name, value in values.items()
-        ]
-        rollups, lowest = self._roll_up(logs)
+        points: list[tuple[object, ...]] = []
+        series: dict[str, tuple[list[int], list[float], list[float]]] = {}
+        for step, t, values in logs:
+            for name, value in values.items():
+                points.append((run_id, rank, step, name, value, t))
+                per = series.get(name)
+                if per is None:
+                    per = series[name] = ([], [], [])
+                per[0].append(step)
+                per[1].append(value)
+                per[2].append(t)
+        rollups, rewrite_from = self._roll_up(series)
         now = time.time()
-        with Session(self.engine) as s, s.begin():
-            if rows:
-                s.execute(insert(MetricPoint), rows)
-            for width, low in lowest.items():
-                s.execute(
-                    delete(MetricRollup).where(
-                        MetricRollup.run_id == run_id, MetricRollup.rank == rank,
-                        MetricRollup.width == width, MetricRollup.bucket >= low,
-                    )
-                )
-            if rollups:
-                s.execute(insert(MetricRollup), rollups)
+        with self.engine.begin() as conn:
+            if points:
+                insert_many(conn, MetricPoint.__table__, POINT_COLUMNS, points)
+            if rewrite_from:
+                conn.execute(_DELETE_ROLLUPS_FROM, [
+                    {"r": run_id, "k": rank, "n": name, "w": width, "b": bucket}
+                    for (name, width), bucket in rewrite_from.items()
+                ])
+                insert_many(conn, MetricRollup.__table__, ROLLUP_COLUMNS, rollups)
             if events:
-                s.execute(insert(RunEvent), events)
+                conn.execute(insert(RunEvent), events)
             if self._run_values:
-                s.execute(update(Run).where(Run.id == run_id).values(**self._run_values))
+                conn.execute(update(Run).where(Run.id == run_id).values(**self._run_values))
                 self._run_values = {}
-            s.execute(
+            conn.execute(
                 update(RankState)
                 .where(RankState.run_id == run_id, RankState.rank == rank)
                 .values(status=self._status, step=self._step, heartbeat_at=now)
             )
-        self.written_points += len(rows)
+        self.written_points += len(points)
 
     def _roll_up(
-        self, logs: list[tuple[int, float, Mapping[str, float]]]
-    ) -> tuple[list[dict[str, object]], dict[int, int]]:
-        touched: dict[tuple[str, int, int], _Bucket] = {}
-        lowest: dict[int, int] = {}
-        open_ = self._open
-        for step, t, values in logs:
-            for name, value in values.items():
-                for width in ROLLUP_WIDTHS:
-                    bucket = step // width
-                    current = open_.get((name, width))
-                    if current is not None and current[0] == bucket:
-                        agg = current[1]
-                        agg.add(step, value, t)
-                    else:
-                        agg = _Bucket(step, step, value, value, value, 1, t)
-                        open_[(name, width)] = (bucket, agg)
-                    touched[(name, width, bucket)] = agg
-                    if bucket < lowest.get(width, bucket + 1):
-                        lowest[width] = bucket
-        rows = [
-            {"run_id": self.run_id, "name": name, "width": width, "rank": self.rank, "bucket": bucket,
-             "step_min": a.step_min, "step_max": a.step_max, "vmin": a.vmin, "vmax": a.vmax,
-             "vsum": a.vsum, "count": a.count, "time_max": a.time_max}
-            for (name, width, bucket), a in touched.items()
-        ]
-        # Buckets rewritten from `lowest` up must all be in `rows`: add the open ones not touched now.
-        for (name, width), (bucket, a) in open_.items():
-            if width in lowest and bucket >= lowest[width] and (name, width, bucket) not in touched:
-                rows.append(
-                    {"run_id": self.run_id, "name": name, "width": width, "rank": self.rank, "bucket": bucket,
-                     "step_min": a.step_min, "step_max": a.step_max, "vmin": a.vmin, "vmax": a.vmax,
-                     "vsum": a.vsum, "count": a.count, "time_max": a.time_max}
-                )
-        return rows, lowest
+        self, series: dict[str, tuple[list[int], list[float], list[float]]]
+    ) -> tuple[list[tuple[object, ...]], dict[tuple[str, int], int]]:
+        """Rollup rows to (re)write, and per (metric, width) the first bucket they rewrite."""
+        rows: list[tuple[object, ...]] = []
+        rewrite_from: dict[tuple[str, int], int] = {}
+        for name, (steps, values, times) in series.items():
+            s, v, t = as_sorted_arrays(steps, values, times)
+            for width in ROLLUP_WIDTHS:
+                buckets = roll_up(s, v, t, width, self._open.get((name, width)))
+                self._open[(name, width)] = buckets[-1]
+                rewrite_from[(name, width)] = buckets[0].bucket
+                rows.extend((self.run_id, name, width, self.rank, *b.as_tuple()) for b in buckets)
+        return rows, rewrite_from
 
     # ---- start-up --------------------------------------------------------------------------
     def _register(self, device: str, attempt: int, resume_after_step: int | None) -> None:
@@ -280,9 +251,9 @@ class MetricWriter:
             select(MetricRollup).where(MetricRollup.run_id == run_id, MetricRollup.rank == rank)
         ).scalars():
             key = (r.name, r.width)
-            if key not in self._open or self._open[key][0] < r.bucket:
-                self._open[key] = (r.bucket, _Bucket(r.step_min, r.step_max, r.vmin, r.vmax, r.vsum, r.count,
-                                                      r.time_max))
+            if key not in self._open or self._open[key].bucket < r.bucket:
+                self._open[key] = Bucket(r.bucket, r.step_min, r.step_max, r.vmin, r.vmax, r.vsum, r.count,
+                                         r.time_max)
 
 
 class NullWriter:
@@ -307,3 +278,23 @@ class NullWriter:
 
     def close(self, status: str | None = None) -> None:
         pass
+
+
+_INSERT_SQL: dict[tuple[str, str], tuple[str, bool]] = {}
+
+
+def insert_many(conn: Connection, table: Table, columns: tuple[str, ...], rows: list[tuple[object, ...]]) -> None:
+    """executemany of plain tuples, in the dialect's own SQL and parameter style: skips SQLAlchemy's
+    per-row parameter processing (the difference between ~300k and ~500k rows/s on SQLite)."""
+    if not rows:
+        return
+    key = (conn.dialect.name, table.name)
+    if key not in _INSERT_SQL:
+        compiled = table.insert().compile(dialect=conn.dialect, column_keys=list(columns))
+        order = compiled.positiontup if compiled.positional else None
+        if order is not None and list(order) != list(columns):
+            raise AssertionError(f"unexpected parameter order {order}")
+        _INSERT_SQL[key] = (str(compiled), compiled.positional)
+    sql, positional = _INSERT_SQL[key]
+    params = rows if positional else [dict(zip(columns, r, strict=True)) for r in rows]
+    conn.exec_driver_sql(sql, params)  # type: ignore[arg-type]

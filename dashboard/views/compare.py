@@ -64,3 +64,7 @@ def render() -> None:
     else:
         st.dataframe(diff, hide_index=True, width="stretch")
         st.caption(f"{len(diff)} setting(s) differ; identical ones are folded away.")
+
+
+if __name__ == "__main__":  # run as a page by st.navigation
+    render()

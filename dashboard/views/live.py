@@ -154,3 +154,7 @@ def _system() -> None:
         st.dataframe(stats.gpus, hide_index=True, width="stretch")
     else:
         st.caption("No NVML here (no NVIDIA GPU, or nvidia-ml-py not installed): GPU stats hidden.")
+
+
+if __name__ == "__main__":  # run as a page by st.navigation
+    render()

@@ -123,3 +123,7 @@ def _summary_and_launch(result: forms.FormResult) -> None:
         st.code(cli, language="bash", wrap_lines=True)
         st.markdown("**The torchrun command the launcher runs**")
         st.code(torchrun, language="bash", wrap_lines=True)
+
+
+if __name__ == "__main__":  # run as a page by st.navigation
+    render()

@@ -53,13 +53,18 @@ def render() -> None:
         },
     )
     selected = [int(page_df.iloc[i]["id"]) for i in event.selection.rows] if event and event.selection else []
-    if len(selected) >= 2:
-        if st.button(f"Compare {len(selected)} runs", type="primary", icon=":material/compare_arrows:"):
-            nav.go("compare", runs=",".join(str(i) for i in selected[: history.MAX_COMPARE]))
-    elif len(selected) == 1:
-        _one_run(selected[0])
-    else:
-        st.caption("Select one run to edit, export or delete it; two or more to compare them.")
+    labels = dict(zip(shown["id"].astype(int), "#" + shown["id"].astype(str) + " " + shown["name"], strict=True))
+    st.caption("Tick rows in the table (or pick them below): one to edit, export or delete; two or more to compare.")
+    left, right = st.columns([3, 1], vertical_alignment="bottom")
+    to_compare = left.multiselect("Compare runs", list(labels), default=[i for i in selected if i in labels],
+                                  format_func=labels.get, max_selections=history.MAX_COMPARE, key="compare_pick")
+    if right.button("Compare", type="primary", icon=":material/compare_arrows:", disabled=len(to_compare) < 2):
+        nav.go("compare", runs=",".join(str(i) for i in to_compare))
+    one = st.selectbox("Manage run", list(labels), index=list(labels).index(selected[0]) if len(selected) == 1
+                       and selected[0] in labels else None, format_func=labels.get, placeholder="choose a run…",
+                       key="manage_pick")
+    if one is not None:
+        _one_run(int(one))
 
 
 def _filters(df) -> history.RunFilter:  # type: ignore[no-untyped-def]
@@ -111,3 +116,7 @@ def _one_run(run_id: int) -> None:
             else:
                 _bump()
                 st.rerun()
+
+
+if __name__ == "__main__":  # run as a page by st.navigation
+    render()
