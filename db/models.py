@@ -79,6 +79,7 @@ class MetricRollup(Base):
     vsum: Mapped[float] = mapped_column(Float)
     count: Mapped[int] = mapped_column(Integer)
     time_max: Mapped[float] = mapped_column(Float)
+    vlast: Mapped[float] = mapped_column(Float)  # the bucket's last value: a run's final loss without raw rows
 
     # Clustered on the primary key in SQLite: a chart's read is then one sequential range scan.
     __table_args__ = ({"sqlite_with_rowid": False},)

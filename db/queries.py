@@ -151,17 +151,16 @@ def run_metric_summaries(s: Session, run_ids: list[int]) -> pd.DataFrame:
                MetricRollup.name.in_(("loss", "samples_per_s")))
         .group_by(MetricRollup.run_id, MetricRollup.name, MetricRollup.rank)
     ).all()
-    fine = ROLLUP_WIDTHS[0]
     last_bucket = (
         select(MetricRollup.run_id, MetricRollup.rank, func.max(MetricRollup.bucket).label("bucket"))
-        .where(MetricRollup.run_id.in_(run_ids), MetricRollup.width == fine, MetricRollup.name == "loss")
+        .where(MetricRollup.run_id.in_(run_ids), MetricRollup.width == coarse, MetricRollup.name == "loss")
         .group_by(MetricRollup.run_id, MetricRollup.rank).subquery()
     )
     last = s.execute(
-        select(MetricRollup.run_id, MetricRollup.vsum / MetricRollup.count)
+        select(MetricRollup.run_id, MetricRollup.vlast)
         .join(last_bucket, (MetricRollup.run_id == last_bucket.c.run_id) & (MetricRollup.rank == last_bucket.c.rank)
               & (MetricRollup.bucket == last_bucket.c.bucket))
-        .where(MetricRollup.width == fine, MetricRollup.name == "loss")
+        .where(MetricRollup.width == coarse, MetricRollup.name == "loss")
     ).all()
     ranks = _frame(per_rank, ["run_id", "name", "rank", "vmin", "vsum", "count"])
     out = pd.DataFrame({"run_id": run_ids}).set_index("run_id")

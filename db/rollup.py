@@ -18,9 +18,11 @@ class Bucket:
     vsum: float
     count: int
     time_max: float
+    vlast: float
 
-    def as_tuple(self) -> tuple[int, int, int, float, float, float, int, float]:
-        return (self.bucket, self.step_min, self.step_max, self.vmin, self.vmax, self.vsum, self.count, self.time_max)
+    def as_tuple(self) -> tuple[int, int, int, float, float, float, int, float, float]:
+        return (self.bucket, self.step_min, self.step_max, self.vmin, self.vmax, self.vsum, self.count, self.time_max,
+                self.vlast)
 
 
 def roll_up(steps: np.ndarray, values: np.ndarray, times: np.ndarray, width: int,
@@ -36,17 +38,17 @@ def roll_up(steps: np.ndarray, values: np.ndarray, times: np.ndarray, width: int
     vsum = np.add.reduceat(values, starts)
     counts = ends - starts + 1
     out = [
-        Bucket(int(b), int(s0), int(s1), float(lo), float(hi), float(sm), int(c), float(t))
-        for b, s0, s1, lo, hi, sm, c, t in zip(
+        Bucket(b, s0, s1, lo, hi, sm, c, t, last)
+        for b, s0, s1, lo, hi, sm, c, t, last in zip(
             buckets[starts].tolist(), steps[starts].tolist(), steps[ends].tolist(), vmin.tolist(), vmax.tolist(),
-            vsum.tolist(), counts.tolist(), times[ends].tolist(), strict=True,
+            vsum.tolist(), counts.tolist(), times[ends].tolist(), values[ends].tolist(), strict=True,
         )
     ]
     if open_bucket is not None and out and out[0].bucket == open_bucket.bucket:
         first = out[0]
         out[0] = Bucket(first.bucket, open_bucket.step_min, first.step_max, min(first.vmin, open_bucket.vmin),
                         max(first.vmax, open_bucket.vmax), first.vsum + open_bucket.vsum,
-                        first.count + open_bucket.count, first.time_max)
+                        first.count + open_bucket.count, first.time_max, first.vlast)
     return out
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, Engine, Table, bindparam, delete, func, insert, literal, select, update
+from sqlalchemy import Connection, Engine, Table, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 POINT_COLUMNS = ("run_id", "rank", "step", "name", "value", "time")
 ROLLUP_COLUMNS = ("run_id", "name", "width", "rank", "bucket", "step_min", "step_max", "vmin", "vmax", "vsum",
-                  "count", "time_max")
+                  "count", "time_max", "vlast")
 _DELETE_ROLLUPS_FROM = delete(MetricRollup).where(
     MetricRollup.run_id == bindparam("r"), MetricRollup.rank == bindparam("k"), MetricRollup.name == bindparam("n"),
     MetricRollup.width == bindparam("w"), MetricRollup.bucket >= bindparam("b"),
@@ -77,11 +77,11 @@ class MetricWriter:
         self._thread.start()
 
     # ---- hot path --------------------------------------------------------------------------
-    def log(self, step: int, values: Mapping[str, float]) -> None:
-        """Queue one step's values (plain floats); returns at once."""
+    def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
+        """Queue one step's values (plain floats), stamped now or `at` (imports); returns at once."""
         if len(self._pending.logs) == MAX_BUFFERED_LOGS:
             self.dropped += 1
-        self._pending.logs.append((step, time.time(), values))
+        self._pending.logs.append((step, time.time() if at is None else at, values))
         self.logged_points += len(values)
         self._step = step
 
@@ -227,33 +227,19 @@ class MetricWriter:
         s.execute(delete(MetricPoint).where(
             MetricPoint.run_id == run_id, MetricPoint.rank == rank, MetricPoint.step > step))
         s.execute(delete(MetricRollup).where(MetricRollup.run_id == run_id, MetricRollup.rank == rank))
-        for width in ROLLUP_WIDTHS:
-            bucket = MetricPoint.step // width
-            grouped = (
-                select(
-                    MetricPoint.run_id, MetricPoint.name, literal(width).label("width"), MetricPoint.rank,
-                    bucket.label("bucket"), func.min(MetricPoint.step), func.max(MetricPoint.step),
-                    func.min(MetricPoint.value), func.max(MetricPoint.value), func.sum(MetricPoint.value),
-                    func.count(), func.max(MetricPoint.time),
-                )
-                .where(MetricPoint.run_id == run_id, MetricPoint.rank == rank)
-                .group_by(MetricPoint.run_id, MetricPoint.name, MetricPoint.rank, bucket)
-            )
-            s.execute(
-                insert(MetricRollup).from_select(
-                    ["run_id", "name", "width", "rank", "bucket", "step_min", "step_max", "vmin", "vmax",
-                     "vsum", "count", "time_max"],
-                    grouped,
-                )
-            )
-        # Seed the buckets still being filled so the next flush rewrites them whole.
-        for r in s.execute(
-            select(MetricRollup).where(MetricRollup.run_id == run_id, MetricRollup.rank == rank)
-        ).scalars():
-            key = (r.name, r.width)
-            if key not in self._open or self._open[key].bucket < r.bucket:
-                self._open[key] = Bucket(r.bucket, r.step_min, r.step_max, r.vmin, r.vmax, r.vsum, r.count,
-                                         r.time_max)
+        # Rebuild this rank's rollups from the points that remain, with the same code as ingest.
+        series: dict[str, tuple[list[int], list[float], list[float]]] = {}
+        for name, point_step, value, t in s.execute(
+            select(MetricPoint.name, MetricPoint.step, MetricPoint.value, MetricPoint.time)
+            .where(MetricPoint.run_id == run_id, MetricPoint.rank == rank)
+            .order_by(MetricPoint.name, MetricPoint.step)
+        ):
+            per = series.setdefault(name, ([], [], []))
+            per[0].append(point_step)
+            per[1].append(value)
+            per[2].append(t)
+        rows, _ = self._roll_up(series)
+        insert_many(s.connection(), MetricRollup.__table__, ROLLUP_COLUMNS, rows)
 
 
 class NullWriter:
@@ -261,7 +247,7 @@ class NullWriter:
 
     dropped = 0
 
-    def log(self, step: int, values: Mapping[str, float]) -> None:
+    def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
         pass
 
     def event(self, kind: str, message: str, detail: str = "") -> None:

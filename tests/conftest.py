@@ -39,7 +39,18 @@ def db_url(home: Path) -> str:
 def engine(db_url: str) -> Iterator[Engine]:
     eng = open_store(db_url)
     yield eng
+    stop_active_runs(eng)  # a failed test must not leave training processes behind
     eng.dispose()
+
+
+def stop_active_runs(engine: Engine) -> None:
+    from db.runs import ACTIVE_STATUSES
+    from trainer.launcher import stop
+
+    with Session(engine) as s:
+        active = list_runs(s, statuses=ACTIVE_STATUSES)
+    for run in active:
+        stop(engine, run.id)
 
 
 def make_run(engine: Engine, cfg: RunConfig | None = None, **kw: object) -> int:

@@ -239,7 +239,7 @@ def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + ST
             if run.status in FINAL_STATUSES:
                 return run.status
             time.sleep(0.1)
-    if run.host != socket.gethostname():
+    if run.host not in ("", socket.gethostname()):
         raise StopError(f"run {run_id} runs on host {run.host}; stop it from there (ddpdash stop {run_id})")
     # The supervisor is gone or stuck: do its job.
     with Session(engine) as s:

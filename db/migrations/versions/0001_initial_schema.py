@@ -73,6 +73,7 @@ def upgrade() -> None:
     sa.Column('vsum', sa.Float(), nullable=False),
     sa.Column('count', sa.Integer(), nullable=False),
     sa.Column('time_max', sa.Float(), nullable=False),
+    sa.Column('vlast', sa.Float(), nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_metric_rollups_run_id_runs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('run_id', 'name', 'width', 'rank', 'bucket', name=op.f('pk_metric_rollups')),
     sqlite_with_rowid=False,
