@@ -1,0 +1,1 @@
+"""ddpdash benchmarks: each prints ratios measured side by side in one run (see bench/README.md)."""

@@ -1,0 +1,86 @@
+"""Target 3 — chart query: a run of 1,000,000 points (8 ranks × 125k steps); the time to get what the
+Live/Compare loss chart needs (≤ a few thousand points per line, peaks kept) and build the chart,
+against a SQL GROUP BY downsample of the raw points and against reading every row. Target ≤ 50 ms.
+
+    python bench/chart_query.py [--quick | --smoke]
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from bench.common import Result, describe, interleaved, median_spread, parser, print_results, ratios
+from bench.seed import seed_big_run
+from dashboard.charts import loss_chart
+from db.migrate import open_store
+from db.models import MetricPoint
+from db.queries import DEFAULT_POINT_BUDGET, metric_series
+
+
+def ddpdash_path(engine, run_id: int) -> float:  # type: ignore[no-untyped-def]
+    t = time.perf_counter()
+    with Session(engine) as s:
+        df = metric_series(s, run_id, "loss", max_points=DEFAULT_POINT_BUDGET)
+    loss_chart(df)
+    assert df.groupby("rank").size().max() <= DEFAULT_POINT_BUDGET
+    return time.perf_counter() - t
+
+
+def group_by_path(engine, run_id: int, steps: int) -> float:  # type: ignore[no-untyped-def]
+    t = time.perf_counter()
+    width = max(1, steps // DEFAULT_POINT_BUDGET + 1)
+    bucket = MetricPoint.step // width
+    with Session(engine) as s:
+        s.execute(select(MetricPoint.rank, func.max(MetricPoint.step), func.avg(MetricPoint.value),
+                         func.min(MetricPoint.value), func.max(MetricPoint.value))
+                  .where(MetricPoint.run_id == run_id, MetricPoint.name == "loss")
+                  .group_by(MetricPoint.rank, bucket)).all()
+    return time.perf_counter() - t
+
+
+def read_all_path(engine, run_id: int) -> float:  # type: ignore[no-untyped-def]
+    t = time.perf_counter()
+    with Session(engine) as s:
+        rows = s.execute(select(MetricPoint.rank, MetricPoint.step, MetricPoint.value)
+                         .where(MetricPoint.run_id == run_id, MetricPoint.name == "loss")).all()
+    [dict(rank=r, step=st, value=v) for r, st, v in rows]  # what to_dict would hand the browser
+    return time.perf_counter() - t
+
+
+def measure(ranks: int, steps: int, repeats: int) -> list[Result]:
+    with tempfile.TemporaryDirectory() as folder:
+        engine = open_store(f"sqlite:///{folder}/bench.db")
+        t = time.perf_counter()
+        run_id = seed_big_run(engine, ranks, steps)
+        print(f"seeded {ranks * steps:,} points in {time.perf_counter() - t:.1f} s through the writer")
+        ddpdash_path(engine, run_id)  # warm the page cache, as a dashboard that has drawn once
+        times = interleaved({
+            "ddpdash (rollups + chart)": lambda: ddpdash_path(engine, run_id),
+            "SQL GROUP BY downsample": lambda: group_by_path(engine, run_id, steps),
+            "read every row": lambda: read_all_path(engine, run_id),
+        }, repeats)
+    for name, values in times.items():
+        print("  " + describe(name, [v * 1000 for v in values], " ms"))
+    for other in ("SQL GROUP BY downsample", "read every row"):
+        speedup, _ = median_spread(ratios(times[other], times["ddpdash (rollups + chart)"]))
+        print(f"  {other} / ddpdash: {speedup:.1f}×")
+    med, spread = median_spread(times["ddpdash (rollups + chart)"])
+    return [Result(f"chart query ({ranks * steps:,} points)", f"{med * 1000:.1f} ms (spread {spread * 1000:.1f})",
+                   "≤ 50 ms", med <= 0.050)]
+
+
+def main() -> None:
+    args = parser(__doc__ or "").parse_args()
+    ranks, steps, repeats = (2, 5_000, 2) if args.smoke else (8, 125_000, 5) if args.quick else (8, 125_000, 15)
+    print_results(measure(ranks, steps, repeats))
+
+
+if __name__ == "__main__":
+    main()

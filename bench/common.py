@@ -1,0 +1,69 @@
+"""Helpers shared by the benchmarks: side-by-side repetitions, medians and spreads, result lines."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Result:
+    """One target's outcome: `<target>: <measured> (target <goal>) PASS|MISS`."""
+
+    target: str
+    measured: str
+    goal: str
+    passed: bool
+
+    def line(self) -> str:
+        return f"{self.target}: {self.measured} (target {self.goal}) {'PASS' if self.passed else 'MISS'}"
+
+
+def median_spread(values: list[float]) -> tuple[float, float]:
+    """Median and spread (max − min) of repeated measurements."""
+    return statistics.median(values), (max(values) - min(values)) if values else 0.0
+
+
+def describe(name: str, values: list[float], unit: str = "") -> str:
+    med, spread = median_spread(values)
+    return f"{name}: median {med:.4g}{unit}, spread {spread:.3g}{unit} over {len(values)} runs"
+
+
+def interleaved(variants: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Run every variant once per round, rounds repeated: drift on a noisy machine hits all alike."""
+    out: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            out[name].append(fn())
+    return out
+
+
+def ratios(numerator: list[float], denominator: list[float]) -> list[float]:
+    """Per-round ratios (the same round's measurements divided), robust to slow drift."""
+    return [a / b for a, b in zip(numerator, denominator, strict=True)]
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, smaller sizes")
+    p.add_argument("--smoke", action="store_true", help="a tiny run that only proves the benchmark works")
+    return p
+
+
+def print_results(results: list[Result]) -> None:
+    for r in results:
+        print(r.line(), flush=True)

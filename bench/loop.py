@@ -1,0 +1,141 @@
+"""The training loop the logging-overhead benchmark times: an MLP on digits, logging every step.
+
+    python bench/loop.py --logger none|ddpdash|mlflow|tensorboard --steps N --out RESULT.json
+    torchrun --standalone --nproc-per-node 2 bench/loop.py --logger ddpdash ...
+
+Every variant computes the same values (.item() included); only where they go differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+from trainer.config import RunConfig
+from trainer.data import load
+from trainer.models import build
+
+
+class Sink:
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def make_sink(kind: str, workdir: Path, rank: int) -> Sink:
+    if kind == "none":
+        return Sink()
+    if kind == "ddpdash":
+        from sqlalchemy.orm import Session
+
+        from db.migrate import open_store
+        from db.runs import create_run
+        from db.writer import MetricWriter
+
+        engine = open_store(f"sqlite:///{workdir / 'ddpdash.db'}")
+        run_id = 1
+        if rank == 0:
+            with Session(engine) as s, s.begin():
+                run_id = create_run(s, key=f"bench-{os.getpid()}", name="bench", config_json="{}", world_size=1)
+        if dist.is_initialized():
+            box = [run_id]
+            dist.broadcast_object_list(box, src=0)
+            run_id = box[0]
+        return MetricWriter(engine, run_id, rank)  # type: ignore[return-value]
+    if kind == "mlflow":
+        import mlflow
+
+        mlflow.set_tracking_uri(f"sqlite:///{workdir / f'mlflow{rank}.db'}")
+        mlflow.start_run()
+
+        class MlflowSink(Sink):
+            def log(self, step: int, values: dict[str, float]) -> None:
+                for k, v in values.items():
+                    mlflow.log_metric(k, v, step=step)
+
+            def close(self) -> None:
+                mlflow.end_run()
+
+        return MlflowSink()
+    if kind == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(str(workdir / f"tb{rank}"))
+
+        class TbSink(Sink):
+            def log(self, step: int, values: dict[str, float]) -> None:
+                for k, v in values.items():
+                    tb.add_scalar(k, v, step)
+
+            def close(self) -> None:
+                tb.close()
+
+        return TbSink()
+    raise SystemExit(f"unknown logger {kind}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--logger", default="none")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    distributed = "RANK" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    workdir = Path(args.workdir or tempfile.mkdtemp())
+    cfg = RunConfig(model="mlp", width=64, depth=2, batch_size=32)
+    torch.manual_seed(0)
+    data = load(cfg)
+    model = build(cfg, data)
+    ddp = DDP(model) if distributed else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=0, drop_last=True)
+    loader = DataLoader(data.train, batch_size=32, sampler=sampler, drop_last=True)
+    sink = make_sink(args.logger, workdir, rank)
+    step, epoch, start = 0, 0, 0.0
+    while step < args.steps + args.warmup:
+        sampler.set_epoch(epoch)
+        for x, y, _ in loader:
+            if step == args.warmup:
+                start = time.perf_counter()
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            values = {"loss": loss.item(), "samples_per_s": 32 / (time.perf_counter() - t0), "lr": 0.05}
+            sink.log(step, values)
+            if step >= args.steps + args.warmup:
+                break
+        epoch += 1
+    elapsed = time.perf_counter() - start
+    sink.close()  # flushing what is left is part of the cost
+    elapsed_with_close = time.perf_counter() - start
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"elapsed": elapsed, "elapsed_with_close": elapsed_with_close,
+                                              "steps": args.steps}))
+    del ddp, model, opt, loss
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

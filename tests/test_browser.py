@@ -1,0 +1,210 @@
+"""Real-browser journeys: the real dashboard (`ddpdash ui`) in Debian's Chromium through Playwright.
+
+Chromium must be installed (`.ci/run` installs it); a missing browser fails these tests, it does not
+skip them. Each journey saves a screenshot of its last screen under test-artifacts/."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+from sqlalchemy.orm import Session
+
+from db.migrate import open_store
+from db.runs import list_runs
+from tests.conftest import ROOT, stop_active_runs
+from tests.seed import seed_run
+from trainer.config import RunConfig
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = ROOT / "test-artifacts"
+TIMEOUT_MS = 60_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_ui(home: Path, address: str = "127.0.0.1", **env: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    full_env = {**os.environ, "DDPDASH_HOME": str(home), **env}
+    full_env.pop("DDPDASH_DB_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", "ui", "--port", str(port), "--address", address],
+                            env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            raise AssertionError(f"ddpdash ui exited: {proc.stdout.read().decode() if proc.stdout else ''}")
+    proc.kill()
+    raise AssertionError("the dashboard did not become healthy within 60 s")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    assert Path(CHROMIUM).exists(), "Debian's chromium is required: apt-get install -y chromium (.ci/run does)"
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    home = tmp_path_factory.mktemp("browser") / "home"
+    # Paces rank 0 so a few hundred steps take long enough to watch them grow (a test-only switch).
+    proc, url = start_ui(home, DDPDASH_TEST_FAULT="sleep:0:0.02")
+    yield url, home
+    stop_active_runs(open_store(f"sqlite:///{home / 'ddpdash.db'}"))
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = context.new_page()
+    pg.set_default_timeout(TIMEOUT_MS)
+    yield pg
+    context.close()
+
+
+def shot(page: Page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def set_number(page: Page, label: str, value: str) -> None:
+    box = page.get_by_label(label, exact=True)
+    box.fill(value)
+    box.press("Enter")
+
+
+def choose(page: Page, label: str, option: str) -> None:
+    page.get_by_role("combobox", name=label).click()
+    page.get_by_role("option", name=option, exact=True).click()
+    expect(page.get_by_role("combobox", name=label)).to_have_value(option)
+
+
+def steps_done(page: Page) -> int:
+    text = page.get_by_text(re.compile(r"\d+/\d+ steps")).first.inner_text()
+    return int(re.search(r"(\d+)/\d+ steps", text).group(1))  # type: ignore[union-attr]
+
+
+def test_journey_launch_watch_and_stop(server: tuple[str, Path], page: Page) -> None:
+    url, home = server
+    page.goto(f"{url}/new", wait_until="domcontentloaded")
+    expect(page.get_by_role("heading", name="New run")).to_be_visible()
+    set_number(page, "Num procs", "2")
+    choose(page, "Backend", "gloo")
+    set_number(page, "Batch size", "16")
+    choose(page, "Amp", "bf16")
+    set_number(page, "Max steps", "400")
+    expect(page.get_by_text("32 = 16 × 2 ranks × 1 accum")).to_be_visible()
+    page.get_by_role("button", name="Launch").click()
+    page.wait_for_url(re.compile(r"/(live)?\?run=\d+$"))  # Live is the default page: its URL is /
+    chart = page.locator("[data-testid='stVegaLiteChart'] svg").first
+    expect(chart).to_be_visible(timeout=90_000)
+    expect(chart.get_by_text("rank 0", exact=True)).to_be_visible()
+    expect(chart.get_by_text("rank 1", exact=True)).to_be_visible()
+    first = steps_done(page)
+    time.sleep(3)
+    expect(page.get_by_text(re.compile(r"\d+/400 steps"))).to_be_visible()
+    second = steps_done(page)
+    assert second > first, (first, second)
+    page.get_by_role("button", name="Stop").click()
+    page.get_by_role("button", name="Yes, stop it").click()
+    expect(page.get_by_text("stopped", exact=True).first).to_be_visible(timeout=30_000)
+    shot(page, "journey1-live-stopped")
+    with Session(open_store(f"sqlite:///{home / 'ddpdash.db'}")) as s:
+        assert [r.status for r in list_runs(s)] == ["stopped"]
+
+
+def test_journey_bad_form_shows_the_error_and_launches_nothing(server: tuple[str, Path], page: Page) -> None:
+    url, home = server
+    engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
+    with Session(engine) as s:
+        before = len(list_runs(s))
+    page.goto(f"{url}/new", wait_until="domcontentloaded")
+    set_number(page, "Batch size", "0")
+    expect(page.get_by_text("Batch size must be ≥ 1, got 0")).to_be_visible()
+    page.get_by_role("button", name="Launch").click()
+    expect(page.get_by_text("Nothing was launched")).to_be_visible()
+    shot(page, "journey2-bad-form")
+    with Session(engine) as s:
+        assert len(list_runs(s)) == before
+
+
+def test_journey_compare_two_finished_runs(server: tuple[str, Path], page: Page) -> None:
+    url, home = server
+    engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
+    ids = [seed_run(engine, RunConfig(name="lr-0.05", num_procs=2), steps=300),
+           seed_run(engine, RunConfig(name="lr-0.2", num_procs=2, lr=0.2), steps=300, loss_scale=0.7)]
+    page.goto(f"{url}/runs", wait_until="domcontentloaded")
+    expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+    picker = page.get_by_role("combobox", name="Compare runs")
+    for run_id, name in zip(ids, ["lr-0.05", "lr-0.2"], strict=True):
+        picker.click()
+        page.get_by_role("option", name=f"#{run_id} {name}").click()
+    page.keyboard.press("Escape")
+    page.get_by_role("button", name="Compare").click()
+    page.wait_for_url(re.compile(r"/compare\?runs="))
+    overlay = page.locator("[data-testid='stVegaLiteChart'] svg").first
+    expect(overlay).to_be_visible(timeout=90_000)
+    expect(overlay.get_by_text(f"#{ids[1]} lr-0.2")).to_be_visible()
+    expect(page.get_by_role("heading", name="Config diff")).to_be_visible()
+    expect(page.get_by_text("setting(s) differ")).to_be_visible()
+    shot(page, "journey3-compare")
+    shutil.copy(ARTIFACTS / "journey3-compare.png", ARTIFACTS / "compare.png")
+
+
+def test_password_gates_every_page(tmp_path: Path, browser: Browser) -> None:
+    proc, url = start_ui(tmp_path / "home", address="0.0.0.0", DDPDASH_PASSWORD="s3cret-pw")
+    try:
+        context = browser.new_context()
+        pg = context.new_page()
+        pg.set_default_timeout(TIMEOUT_MS)
+        for path in ("/new", "/runs", "/compare", "/live"):
+            pg.goto(f"{url}{path}", wait_until="domcontentloaded")
+            expect(pg.get_by_label("Password", exact=True)).to_be_visible()
+            expect(pg.get_by_role("heading", name="New run")).to_have_count(0)
+        pg.get_by_label("Password", exact=True).fill("wrong")
+        pg.get_by_role("button", name="Sign in").click()
+        expect(pg.get_by_text("Wrong password.")).to_be_visible()
+        pg.get_by_label("Password", exact=True).fill("s3cret-pw")
+        pg.get_by_role("button", name="Sign in").click()
+        expect(pg.get_by_text("No runs yet")).to_be_visible()
+        context.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_public_bind_without_password_refuses_to_start(tmp_path: Path) -> None:
+    env = {**os.environ, "DDPDASH_HOME": str(tmp_path)}
+    env.pop("DDPDASH_PASSWORD", None)
+    result = subprocess.run([sys.executable, "-m", "trainer.cli", "ui", "--address", "0.0.0.0", "--port",
+                             str(free_port())], env=env, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode == 2
+    assert "refusing to listen on 0.0.0.0" in result.stderr and "DDPDASH_PASSWORD" in result.stderr
