@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.config import RunConfig
-from trainer.data import load
+from trainer.data import keep_batch, load
 from trainer.models import build
 
 
@@ -107,7 +107,7 @@ def main() -> None:
     ddp = DDP(model) if distributed else model
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=0, drop_last=True)
-    loader = DataLoader(data.train, batch_size=32, sampler=sampler, drop_last=True)
+    loader = DataLoader(data.train, batch_size=32, sampler=sampler, drop_last=True, collate_fn=keep_batch)
     sink = make_sink(args.logger, workdir, rank)
     step, epoch, start = 0, 0, 0.0
     while step < args.steps + args.warmup:

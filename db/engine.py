@@ -11,7 +11,6 @@ from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 
 SQLITE_BUSY_TIMEOUT_MS = 10_000
 
@@ -47,7 +46,8 @@ def make_engine(url: str | None = None) -> Engine:
     database = parsed.database or ""
     if database and database != ":memory:" and not database.startswith("file:"):
         Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    # NullPool: a connection per checkout keeps forked/threaded writers from sharing SQLite handles.
-    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    # A pooled connection keeps SQLite's page cache warm between a dashboard's queries (a fresh
+    # connection per query read the same pages again); each process makes its own engine.
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
@@ -34,6 +38,34 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+@contextlib.contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    """Several ranks may open a new SQLite file at once, and SQLite commits DDL statement by statement:
+    a file lock beside the database lets one process migrate while the others wait."""
+    database = engine.url.database
+    if engine.url.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        yield
+        return
+    with open(f"{database}.migrate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _wait_for_head(engine: Engine, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if current_revision(engine) == head_revision():
+                return True
+        except Exception:  # the other migrator holds the database right now
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def upgrade(engine: Engine) -> None:
     """Bring the database to the newest schema; safe to call from several processes at start-up."""
     known = {s.revision for s in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
@@ -48,11 +80,14 @@ def upgrade(engine: Engine) -> None:
         )
     cfg = _alembic_config()
     try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.upgrade(cfg, "head")
+        with _migration_lock(engine):
+            if current_revision(engine) == head_revision():
+                return  # another process migrated it while we waited for the lock
+            with engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
     except Exception as exc:
-        if current_revision(engine) == head_revision():
+        if _wait_for_head(engine):
             return  # another process migrated it first
         raise SchemaError(
             f"could not migrate database {engine.url.render_as_string(hide_password=True)} from "

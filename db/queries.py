@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup, RankState, RunEvent
 
-DEFAULT_POINT_BUDGET = 2000
+DEFAULT_POINT_BUDGET = 1000  # points per line: more than a chart's width in pixels
 
 
 def _frame(rows: Sequence[Sequence[Any]], columns: list[str]) -> pd.DataFrame:

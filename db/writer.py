@@ -71,6 +71,7 @@ class MetricWriter:
         self._run_values: dict[str, object] = {}
         self._step = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the first point is flushed at once: the run shows up live sooner
         self._flush_lock = threading.Lock()
         self._register(device, attempt, resume_after_step)
         self._thread = threading.Thread(target=self._run, name=f"ddpdash-writer-r{rank}", daemon=True)
@@ -82,6 +83,8 @@ class MetricWriter:
         if len(self._pending.logs) == MAX_BUFFERED_LOGS:
             self.dropped += 1
         self._pending.logs.append((step, time.time() if at is None else at, values))
+        if not self.logged_points:
+            self._wake.set()
         self.logged_points += len(values)
         self._step = step
 
@@ -107,6 +110,7 @@ class MetricWriter:
         if status:
             self._status = status
         self._stop.set()
+        self._wake.set()
         self._thread.join()
         deadline = time.monotonic() + CLOSE_DEADLINE_S
         while True:
@@ -122,7 +126,11 @@ class MetricWriter:
     # ---- background ------------------------------------------------------------------------
     def _run(self) -> None:
         backoff = self.flush_interval_s
-        while not self._stop.wait(backoff):
+        while True:
+            self._wake.wait(backoff)
+            self._wake.clear()
+            if self._stop.is_set():
+                return  # close() writes what is left
             try:
                 self.flush()
                 backoff = self.flush_interval_s

@@ -15,15 +15,22 @@ from db.writer import MetricWriter
 from tests.conftest import make_run
 
 
-def test_log_returns_before_anything_is_written(engine: Engine) -> None:
+def test_first_point_is_written_at_once_and_later_ones_wait_for_the_flush(engine: Engine) -> None:
     run_id = make_run(engine)
     w = MetricWriter(engine, run_id, 0, flush_interval_s=60)
     w.log(1, {"loss": 1.0})
-    with Session(engine) as s:
-        assert count_points(s, run_id) == 0
-    w.close(status="done")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with Session(engine) as s:
+            if count_points(s, run_id) == 1:
+                break
+        time.sleep(0.02)
+    w.log(2, {"loss": 0.5})  # returns at once; written at the next flush (60 s away) or at close
     with Session(engine) as s:
         assert count_points(s, run_id) == 1
+    w.close(status="done")
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 2
         assert rank_states(s, run_id).iloc[0]["status"] == "done"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset
 
 from trainer.config import RunConfig
 
@@ -18,24 +18,35 @@ VAL_FRACTION = 0.2
 
 @dataclass(frozen=True)
 class Data:
-    train: Dataset[tuple[torch.Tensor, ...]]
-    val: Dataset[tuple[torch.Tensor, ...]]
+    train: Samples
+    val: Samples
     task: str  # "regression" | "classification" | "lm"
     num_classes: int = 0
     input_shape: tuple[int, ...] = ()
 
 
-class IndexedDataset(Dataset[tuple[torch.Tensor, ...]]):
-    """Adds the sample's index to each item so the trainer can prove ranks see disjoint shards."""
+class Samples(Dataset[tuple[torch.Tensor, ...]]):
+    """Tensors indexed along their first axis. The DataLoader fetches a whole batch at once through
+    `__getitems__` (one gather per tensor instead of a tensor per sample and a stack), and each batch
+    also carries its sample indices so the trainer can prove ranks see disjoint shards."""
 
-    def __init__(self, inner: Dataset[tuple[torch.Tensor, ...]]) -> None:
-        self.inner = inner
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self.tensors = tensors
 
     def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]
+        return len(self.tensors[0])
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        return (*self.inner[i], torch.tensor(i))
+        return tuple(t[i] for t in self.tensors)
+
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        idx = torch.as_tensor(indices)
+        return (*(t[idx] for t in self.tensors), idx)
+
+
+def keep_batch(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """collate_fn for `Samples`: `__getitems__` already returns the batch."""
+    return batch
 
 
 def _split(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -51,7 +62,7 @@ def regression(cfg: RunConfig) -> Data:
     true_w = torch.randn(10, 1, generator=g)
     y = x @ true_w + 0.5 + 0.1 * torch.randn(cfg.num_samples, 1, generator=g)
     tr, va = _split(cfg.num_samples, 1234)
-    return Data(TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), "regression", input_shape=(10,))
+    return Data(Samples(x[tr], y[tr]), Samples(x[va], y[va]), "regression", input_shape=(10,))
 
 
 def digits_path() -> Path:
@@ -67,7 +78,7 @@ def digits(cfg: RunConfig) -> Data:
     x = torch.from_numpy(table[:, :-1]).reshape(-1, 1, 8, 8) / 16.0
     y = torch.from_numpy(table[:, -1]).long()
     tr, va = _split(len(y), 1234)
-    return Data(TensorDataset(x[tr], y[tr]), TensorDataset(x[va], y[va]), "classification", 10, (1, 8, 8))
+    return Data(Samples(x[tr], y[tr]), Samples(x[va], y[va]), "classification", 10, (1, 8, 8))
 
 
 def corpus_bytes() -> bytes:
@@ -77,29 +88,22 @@ def corpus_bytes() -> bytes:
     return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
 
 
-class TokenWindows(Dataset[tuple[torch.Tensor, ...]]):
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        self.tokens = tokens
-        self.seq_len = seq_len
-
-    def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
-        start = i * self.seq_len
-        chunk = self.tokens[start : start + self.seq_len + 1]
-        return chunk[:-1], chunk[1:]
+def token_windows(tokens: torch.Tensor, seq_len: int) -> Samples:
+    """Non-overlapping windows of seq_len + 1 tokens: inputs and next-token targets."""
+    count = (len(tokens) - 1) // seq_len
+    starts = torch.arange(count).unsqueeze(1) * seq_len
+    windows = tokens[starts + torch.arange(seq_len + 1)]
+    return Samples(windows[:, :-1].contiguous(), windows[:, 1:].contiguous())
 
 
 def text(cfg: RunConfig) -> Data:
     tokens = torch.frombuffer(bytearray(corpus_bytes()), dtype=torch.uint8).long()
     cut = int(len(tokens) * (1 - VAL_FRACTION))
-    return Data(TokenWindows(tokens[:cut], cfg.seq_len), TokenWindows(tokens[cut:], cfg.seq_len), "lm", 256)
+    return Data(token_windows(tokens[:cut], cfg.seq_len), token_windows(tokens[cut:], cfg.seq_len), "lm", 256)
 
 
 LOADERS = {"regression": regression, "digits": digits, "text": text}
 
 
 def load(cfg: RunConfig) -> Data:
-    data = LOADERS[cfg.resolved_dataset](cfg)
-    return Data(IndexedDataset(data.train), data.val, data.task, data.num_classes, data.input_shape)
+    return LOADERS[cfg.resolved_dataset](cfg)

@@ -31,7 +31,7 @@ from db.migrate import open_store
 from db.runs import create_run, find_run_by_key, finish_run, update_run
 from db.writer import MetricWriter, NullWriter
 from trainer.config import RunConfig
-from trainer.data import Data, load
+from trainer.data import Data, keep_batch, load
 from trainer.faults import Fault, InjectedFault, parse_faults
 from trainer.models import build
 
@@ -171,9 +171,9 @@ def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContext
 @torch.no_grad()
 def evaluate(cfg: RunConfig, model: nn.Module, data: Data, device: torch.device) -> dict[str, float]:
     model.eval()
-    loader = DataLoader(data.val, batch_size=max(cfg.batch_size, 64))
+    loader = DataLoader(data.val, batch_size=max(cfg.batch_size, 64), collate_fn=keep_batch)
     total, correct, count = 0.0, 0, 0
-    for x, y in loader:
+    for x, y, _ in loader:
         x, y = x.to(device), y.to(device)
         with autocast(cfg, device):
             out = model(x)
@@ -227,7 +227,7 @@ def train(cfg: RunConfig, env: DistEnv, writer: MetricWriter | NullWriter, run_d
     sampler = DistributedSampler(data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                        drop_last=True, pin_memory=env.device.type == "cuda",
+                        collate_fn=keep_batch, drop_last=True, pin_memory=env.device.type == "cuda",
                         persistent_workers=cfg.num_workers > 0)
     steps_per_epoch = max(len(loader) // cfg.grad_accum_steps, 1)
     total = total_steps(cfg, steps_per_epoch)

@@ -58,7 +58,7 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id', name=op.f('pk_metric_points'))
     )
     with op.batch_alter_table('metric_points', schema=None) as batch_op:
-        batch_op.create_index('ix_metric_points_run_name_rank_step', ['run_id', 'name', 'rank', 'step'], unique=False)
+        batch_op.create_index('ix_metric_points_run_name_step', ['run_id', 'name', 'step'], unique=False)
 
     op.create_table('metric_rollups',
     sa.Column('run_id', sa.Integer(), nullable=False),
@@ -117,7 +117,7 @@ def downgrade() -> None:
     op.drop_table('rank_states')
     op.drop_table('metric_rollups')
     with op.batch_alter_table('metric_points', schema=None) as batch_op:
-        batch_op.drop_index('ix_metric_points_run_name_rank_step')
+        batch_op.drop_index('ix_metric_points_run_name_step')
 
     op.drop_table('metric_points')
     with op.batch_alter_table('runs', schema=None) as batch_op:

@@ -1,0 +1,78 @@
+"""Target 6 — launch latency: from `launch()` to the run's first metric row in the database, against
+a bare `torchrun` of bench/plain_ddp.py to its first step, interleaved. Target ≤ +0.5 s.
+
+    python bench/launch_latency.py [--quick | --smoke]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from bench.common import ROOT, Result, describe, interleaved, median_spread, parser, print_results
+from db.migrate import open_store
+from db.models import MetricPoint
+from trainer.config import Machine, RunConfig
+from trainer.launcher import launch, stop
+
+CPU = Machine(cpu_count=os.cpu_count() or 1)
+
+
+def bare_torchrun() -> float:
+    with tempfile.TemporaryDirectory() as work:
+        out = Path(work) / "r.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(ROOT / "bench" / "plain_ddp.py"), "--steps", "5", "--warmup", "1", "--out", str(out)]
+        start = time.time()
+        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return float(json.loads(out.read_text())["first_step"]) - start
+
+
+def ddpdash_launch(home: Path) -> float:
+    os.environ["DDPDASH_HOME"] = str(home)
+    engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
+    cfg = RunConfig(name="latency", num_procs=2, max_steps=100_000, checkpoint_every=0)
+    start = time.time()
+    run_id = launch(engine, cfg, CPU)
+    try:
+        while True:
+            with Session(engine) as s:
+                if s.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.run_id == run_id)):
+                    return time.time() - start
+            if time.time() - start > 120:
+                raise SystemExit("no metric row after 120 s")
+            time.sleep(0.01)
+    finally:
+        stop(engine, run_id)
+        engine.dispose()
+
+
+def measure(repeats: int) -> list[Result]:
+    with tempfile.TemporaryDirectory() as work:
+        times = interleaved({"bare torchrun → first step": bare_torchrun,
+                             "ddpdash launch() → first metric row": lambda: ddpdash_launch(Path(work))}, repeats)
+    for name, values in times.items():
+        print("  " + describe(name, values, " s"))
+    extra = [a - b for a, b in zip(times["ddpdash launch() → first metric row"], times["bare torchrun → first step"],
+                                   strict=True)]
+    med, spread = median_spread(extra)
+    return [Result("launch latency", f"+{med:.2f} s (spread {spread:.2f})", "≤ +0.5 s", med <= 0.5)]
+
+
+def main() -> None:
+    args = parser(__doc__ or "").parse_args()
+    repeats = 1 if args.smoke else 3 if args.quick else 7
+    print_results(measure(repeats))
+
+
+if __name__ == "__main__":
+    main()

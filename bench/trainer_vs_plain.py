@@ -1,0 +1,84 @@
+"""Target 5 — trainer vs plain DDP: ddpdash's trainer (metrics to the database every step) against
+bench/plain_ddp.py (same MLP on digits, batch, world size, steps) under torchrun, 2 gloo ranks, runs
+interleaved. Samples/s are taken between the same two steps in both. Target ≥ 0.98×.
+
+    python bench/trainer_vs_plain.py [--quick | --smoke]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from bench.common import ROOT, Result, describe, interleaved, median_spread, parser, print_results, ratios
+from db.migrate import open_store
+from db.models import MetricPoint
+from trainer.config import RunConfig
+
+BATCH, WIDTH, WARMUP = 32, 64, 50
+
+
+def torchrun(*args: str, env: dict[str, str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env})
+    if result.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+
+
+def plain(steps: int) -> float:
+    with tempfile.TemporaryDirectory() as work:
+        out = Path(work) / "r.json"
+        torchrun(str(ROOT / "bench" / "plain_ddp.py"), "--steps", str(steps), "--warmup", str(WARMUP), "--out",
+                 str(out), "--batch-size", str(BATCH), "--width", str(WIDTH), env={})
+        return float(json.loads(out.read_text())["samples_per_s"])
+
+
+def ddpdash(steps: int, **changes: object) -> float:
+    cfg = RunConfig(name="bench", model="mlp", width=WIDTH, depth=2, batch_size=BATCH, max_steps=steps,
+                    log_every=1, checkpoint_every=0, sync_check_every=0, num_procs=2).replace(**changes)
+    with tempfile.TemporaryDirectory() as work:
+        (Path(work) / "config.json").write_text(cfg.to_json())
+        url = f"sqlite:///{work}/bench.db"
+        torchrun("-m", "trainer", "--config", f"{work}/config.json", env={"DDPDASH_DB_URL": url})
+        engine = open_store(url)
+        with Session(engine) as s:
+            stamps = dict(s.execute(select(MetricPoint.step, MetricPoint.time).where(
+                MetricPoint.rank == 0, MetricPoint.name == "loss", MetricPoint.step.in_((WARMUP, steps)))).all())
+        engine.dispose()
+        return (steps - WARMUP) * BATCH * 2 / (stamps[steps] - stamps[WARMUP])
+
+
+def measure(steps: int, repeats: int) -> list[Result]:
+    rates = interleaved({
+        "plain DDP script": lambda: plain(steps),
+        "ddpdash trainer": lambda: ddpdash(steps),
+        "ddpdash trainer, checkpoint + sync check every 50": lambda: ddpdash(steps, checkpoint_every=50,
+                                                                             sync_check_every=50),
+    }, repeats)
+    print(f"-- 2 gloo ranks, MLP on digits, batch {BATCH}/rank, {steps} steps (samples/s from step {WARMUP})")
+    for name, values in rates.items():
+        print("  " + describe(name, values, " samples/s"))
+    share, spread = median_spread(ratios(rates["ddpdash trainer"], rates["plain DDP script"]))
+    extra, _ = median_spread(ratios(rates["ddpdash trainer, checkpoint + sync check every 50"],
+                                    rates["plain DDP script"]))
+    print(f"  ddpdash / plain: {share:.3f}× (spread {spread:.3f}); with checkpoints and sync checks: {extra:.3f}×")
+    return [Result("trainer vs plain DDP", f"{share:.3f}× samples/s", "≥ 0.98×", share >= 0.98)]
+
+
+def main() -> None:
+    args = parser(__doc__ or "").parse_args()
+    steps, repeats = (80, 1) if args.smoke else (1000, 3) if args.quick else (2000, 7)
+    print_results(measure(steps, repeats))
+
+
+if __name__ == "__main__":
+    main()
