@@ -1,30 +1,17 @@
-"""Engine factory and default locations.
-
-`DDPDASH_HOME` (default `~/.ddpdash`) holds `ddpdash.db` and one folder per run;
-`DDPDASH_DB_URL` overrides the database with any SQLAlchemy URL (PostgreSQL for multi-node).
-"""
+"""The engine factory: one engine per process, SQLite pragmas set on connect."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+from db.paths import ddpdash_home, default_db_url, runs_root
+
+__all__ = ["ddpdash_home", "default_db_url", "make_engine", "runs_root"]
+
 SQLITE_BUSY_TIMEOUT_MS = 10_000
-
-
-def ddpdash_home() -> Path:
-    return Path(os.environ.get("DDPDASH_HOME") or Path.home() / ".ddpdash").expanduser()
-
-
-def runs_root() -> Path:
-    return ddpdash_home() / "runs"
-
-
-def default_db_url() -> str:
-    return os.environ.get("DDPDASH_DB_URL") or f"sqlite:///{ddpdash_home() / 'ddpdash.db'}"
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]

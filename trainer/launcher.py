@@ -20,25 +20,20 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
-from sqlalchemy import Engine
-from sqlalchemy.orm import Session
 
-from db.engine import default_db_url, runs_root
-from db.runs import (
-    ACTIVE_STATUSES,
-    FINAL_STATUSES,
-    RunInfo,
-    add_event,
-    create_run,
-    finish_run,
-    get_run,
-    list_runs,
-    rank_statuses,
-    update_run,
-)
+from db.paths import default_db_url, runs_root
 from trainer.config import Machine, RunConfig, check
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from db.runs import RunInfo
+
+# The database functions below import SQLAlchemy when called, not here: the supervisor imports this
+# module to start torchrun, and every import before that is launch latency.
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +87,8 @@ def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None
     return env
 
 
-def supervisor_argv(run_id: int, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "trainer.supervisor", "--run-id", str(run_id)]
+def supervisor_argv(run_id: int, run_dir: Path, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "trainer.supervisor", "--run-id", str(run_id), "--run-dir", str(run_dir)]
 
 
 def cli_command(cfg: RunConfig) -> list[str]:
@@ -124,6 +119,10 @@ def new_run_dir(run_id: int, root: Path | None = None) -> Path:
 
 def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | None = None) -> int:
     """Validate, record the run (queued), start its detached supervisor and return the run id at once."""
+    from sqlalchemy.orm import Session
+
+    from db.runs import create_run, finish_run, update_run
+
     check(cfg, machine)  # raises ConfigInvalid before anything is written
     db_url = db_url or engine.url.render_as_string(hide_password=False) or default_db_url()
     with Session(engine) as s, s.begin():
@@ -132,7 +131,8 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     run_dir = new_run_dir(run_id)
     (run_dir / "config.json").write_text(cfg.to_json())
     try:
-        proc = _spawn(supervisor_argv(run_id), run_dir / "supervisor.log", torchrun_env(cfg, db_url), cwd=run_dir)
+        proc = _spawn(supervisor_argv(run_id, run_dir), run_dir / "supervisor.log", torchrun_env(cfg, db_url),
+                      cwd=run_dir)
     except OSError as exc:
         with Session(engine) as s, s.begin():
             finish_run(s, run_id, "failed", error=f"could not start the supervisor: {exc}")
@@ -223,6 +223,10 @@ def run_pids(run: RunInfo) -> list[int]:
 # ---- stop ------------------------------------------------------------------------------------
 def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + STOP_MARGIN_S + 2.0) -> str:
     """Stop a run; returns its final status. Nothing of the run survives."""
+    from sqlalchemy.orm import Session
+
+    from db.runs import FINAL_STATUSES, add_event, finish_run, get_run, update_run
+
     with Session(engine) as s, s.begin():
         run = get_run(s, run_id)
         if run.status in FINAL_STATUSES:
@@ -258,6 +262,10 @@ def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + ST
 def reconcile(engine: Engine, now: float | None = None) -> list[int]:
     """Mark runs `lost` whose supervisor is gone (killing what is left of them) or, on another host,
     whose heartbeats went stale. Any process that reads runs calls this. Returns the ids marked lost."""
+    from sqlalchemy.orm import Session
+
+    from db.runs import ACTIVE_STATUSES, add_event, finish_run, list_runs
+
     now = now or time.time()
     host = socket.gethostname()
     lost = []
@@ -291,6 +299,10 @@ def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None
 
 
 def _last_heartbeat(engine: Engine, run: RunInfo) -> float | None:
+    from sqlalchemy.orm import Session
+
+    from db.runs import rank_statuses
+
     with Session(engine) as s:
         states = rank_statuses(s, run.id)
     beats = [b for b in [run.heartbeat_at, *(r.heartbeat_at for r in states)] if b]
@@ -385,7 +397,9 @@ def delete_run(engine: Engine, run_id: int) -> None:
     A hand-started run's folder belongs to the user: only its checkpoint goes."""
     import shutil
 
-    from db.runs import delete_run_rows
+    from sqlalchemy.orm import Session
+
+    from db.runs import delete_run_rows, get_run
 
     with Session(engine) as s:
         run = get_run(s, run_id)

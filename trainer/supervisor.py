@@ -1,6 +1,6 @@
 """The run supervisor: starts torchrun for one run, watches it and records the truth.
 
-    python -m trainer.supervisor --run-id N      (started by trainer.launcher.launch, detached)
+    python -m trainer.supervisor --run-id N --run-dir DIR   (started by trainer.launcher.launch, detached)
 
 It records torchrun's and the workers' PIDs, beats a heartbeat, handles SIGTERM as "stop this run",
 and on exit writes the final status: succeeded, failed (which rank, why), or stopped.
@@ -10,118 +10,42 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import threading
-import time
 from pathlib import Path
 
-from sqlalchemy import Engine
-from sqlalchemy.orm import Session
-
-from db.engine import default_db_url, make_engine
-from db.runs import add_event, finish_run, get_run, rank_statuses, set_rank_status, update_run
+from db.paths import default_db_url
 from trainer.config import RunConfig
-from trainer.launcher import descendants, read_failures, root_causes, spawn_torchrun, terminate_run
+from trainer.launcher import descendants, spawn_torchrun, terminate_run
 
 log = logging.getLogger("trainer.supervisor")
-POLL_S = 0.2
-HEARTBEAT_S = 2.0
-
-
-def supervise(engine: Engine, run_id: int, db_url: str) -> str:
-    stop_requested = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
-    with Session(engine) as s:
-        run = get_run(s, run_id)
-    cfg = RunConfig.from_dict(run.config)
-    run_dir = Path(run.run_dir)
-    proc = spawn_torchrun(cfg, run_dir, run_id, db_url)
-    with Session(engine) as s, s.begin():
-        update_run(s, run_id, status="running", started_at=time.time(), torchrun_pid=proc.pid,
-                   supervisor_pid=os.getpid(), heartbeat_at=time.time())
-        add_event(s, run_id, "launched", f"torchrun pid {proc.pid}, {cfg.world_size} rank(s)")
-    workers: set[int] = set()
-    last_beat = 0.0
-    while proc.poll() is None:
-        if stop_requested.wait(POLL_S):
-            killed = terminate_run(proc.pid, sorted(workers | set(descendants(proc.pid))))
-            proc.wait()
-            return _record_stop(engine, run_id, killed)
-        now = time.time()
-        if now - last_beat >= HEARTBEAT_S or not workers:
-            current = set(descendants(proc.pid))
-            if current - workers:
-                workers |= current
-            with Session(engine) as s, s.begin():
-                update_run(s, run_id, heartbeat_at=now, worker_pids=sorted(workers))
-            last_beat = now
-    # torchrun is gone: make sure no worker outlived it.
-    leftovers = terminate_run(None, sorted(workers), wait_s=1.0)
-    if stop_requested.is_set():
-        return _record_stop(engine, run_id, leftovers)
-    return _record_exit(engine, run_id, run_dir, proc.returncode, leftovers)
-
-
-def _record_stop(engine: Engine, run_id: int, killed: list[int]) -> str:
-    with Session(engine) as s, s.begin():
-        _close_ranks(s, run_id, "stopped")
-        if finish_run(s, run_id, "stopped"):
-            note = f"; killed {len(killed)} process(es) that ignored SIGTERM" if killed else ""
-            add_event(s, run_id, "stopped", f"stopped on request{note}")
-    return "stopped"
-
-
-def _record_exit(engine: Engine, run_id: int, run_dir: Path, code: int, leftovers: list[int]) -> str:
-    with Session(engine) as s:
-        states = rank_statuses(s, run_id)
-        world = get_run(s, run_id).world_size
-    finished = len(states) == world and all(r.status == "done" for r in states)
-    with Session(engine) as s, s.begin():
-        if code == 0 or finished:
-            if code != 0:
-                # Training finished on every rank; a worker misbehaved during teardown (NOTES: SIGABRT at exit).
-                add_event(s, run_id, "exit_warning", f"torchrun exited {code} after every rank finished training")
-            finish_run(s, run_id, "succeeded", exit_code=code)
-            add_event(s, run_id, "finished", "all ranks finished")
-            return "succeeded"
-        failures = read_failures(run_dir)
-        causes = root_causes(failures)
-        ranks = [f.rank for f in causes]
-        others = [f for f in failures if f not in causes]
-        error = "\n\n".join(
-            f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in causes
-        ) or f"torchrun exited with code {code} and no rank left an error file; see torchrun.log"
-        if others:
-            error += "\n\nalso failed as a consequence: " + "; ".join(
-                f"rank {f.rank}: {f.message.splitlines()[0][:200] if f.message else '?'}" for f in others)
-        _close_ranks(s, run_id, "failed")
-        finish_run(s, run_id, "failed", exit_code=code, failed_ranks=ranks, error=error)
-        summary = f"rank(s) {ranks} failed" if ranks else f"torchrun exited {code}"
-        if leftovers:
-            summary += f"; killed {len(leftovers)} leftover worker(s)"
-        add_event(s, run_id, "failed", summary, rank=ranks[0] if ranks else None, detail=error)
-    return "failed"
-
-
-def _close_ranks(s: Session, run_id: int, status: str) -> None:
-    for r in rank_statuses(s, run_id):
-        if r.status in ("running", "starting"):
-            set_rank_status(s, run_id, r.rank, status)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s %(message)s")
     p = argparse.ArgumentParser(prog="python -m trainer.supervisor")
     p.add_argument("--run-id", type=int, required=True)
+    p.add_argument("--run-dir", type=Path, required=True)
     args = p.parse_args(argv)
+    stop_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.set())
     db_url = default_db_url()
+    # torchrun first, the database after: every import before this line is launch latency.
+    cfg = RunConfig.from_json((args.run_dir / "config.json").read_text())
+    proc = spawn_torchrun(cfg, args.run_dir, args.run_id, db_url)
+    from sqlalchemy.orm import Session
+
+    from db.engine import make_engine
+    from db.runs import add_event, finish_run
+    from trainer.supervision import supervise
+
     engine = make_engine(db_url)
     try:
-        status = supervise(engine, args.run_id, db_url)
+        status = supervise(engine, args.run_id, args.run_dir, cfg, proc, stop_requested)
     except Exception as exc:
         log.exception("supervisor failed")
+        terminate_run(proc.pid, descendants(proc.pid))  # never leave training running unsupervised
         with Session(engine) as s, s.begin():
             if finish_run(s, args.run_id, "failed", error=f"supervisor error on {socket.gethostname()}: {exc}"):
                 add_event(s, args.run_id, "failed", f"supervisor error: {exc}")

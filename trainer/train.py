@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from db.engine import make_engine
-from db.migrate import open_store
 from db.runs import create_run, find_run_by_key, finish_run, update_run
 from db.writer import MetricWriter, NullWriter
 from trainer.config import RunConfig
@@ -387,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed(cfg)
     supervised = args.run_id is not None
     # The launcher migrated the database already; a hand-started run may be the first to touch it.
-    engine = make_engine(args.db_url) if supervised else open_store(args.db_url)
+    if supervised:
+        engine = make_engine(args.db_url)
+    else:
+        from db.migrate import open_store  # Alembic: only a hand-started run may have to create the schema
+
+        engine = open_store(args.db_url)
     run_id = resolve_run(engine, args, cfg, run_dir, env.world_size)
     resume_step = _checkpoint_step(run_dir / CHECKPOINT_NAME)
     resuming = env.attempt > 0 or resume_step > 0
