@@ -171,6 +171,19 @@ def test_restart_resumes_from_checkpoint_without_duplicate_steps(
 
 
 @pytest_slow
+def test_a_crash_after_training_finished_still_counts_as_succeeded(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DDPDASH_TEST_FAULT", "abort-exit:1:0")
+    run_id = launch(engine, tiny(max_steps=5), CPU_MACHINE)
+    run = wait_final(engine, run_id)
+    assert run.status == "succeeded" and run.exit_code != 0  # torchrun said 1; every rank had finished
+    with Session(engine) as s:
+        ev = events(s, run_id)
+    assert "exit_warning" in ev["kind"].tolist()
+
+
+@pytest_slow
 def test_two_runs_at_once_both_succeed(engine: Engine) -> None:
     ids = [launch(engine, tiny(max_steps=15, name=f"twin{i}"), CPU_MACHINE) for i in range(2)]
     assert [wait_final(engine, i).status for i in ids] == ["succeeded", "succeeded"]

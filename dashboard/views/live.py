@@ -9,6 +9,7 @@ import streamlit as st
 from sqlalchemy.orm import Session
 
 from dashboard import charts, livedata, nav, state
+from dashboard.text import md_escape
 from db.queries import events, rank_states
 from db.runs import RunInfo, RunNotFound, get_run, list_runs
 from trainer.launcher import StopError, rank_log_path, stop, tail
@@ -80,7 +81,7 @@ def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> 
 def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
     left, right = st.columns([4, 1])
     with left:
-        st.markdown(f"## {run.name}  :{STATUS_COLORS.get(run.status, 'gray')}-badge[{run.status}]",
+        st.markdown(f"## {md_escape(run.name)}  :{STATUS_COLORS.get(run.status, 'gray')}-badge[{run.status}]",
                     help=f"run id {run.id} · folder {run.run_dir}")
         prog = livedata.progress(run, states)
         st.progress(prog.fraction, text=prog.text())

@@ -8,6 +8,7 @@ import streamlit as st
 from sqlalchemy.orm import Session
 
 from dashboard import forms, nav, state
+from dashboard.text import md_escape
 from db.runs import RunNotFound, get_run
 from trainer.config import ConfigInvalid, Machine, RunConfig
 from trainer.launcher import LaunchError, launch
@@ -23,7 +24,7 @@ def _prefill() -> None:
             st.session_state["_cloned_from"] = clone
             st.toast(f"Form filled from run {clone}")
         except (RunNotFound, ValueError, ConfigInvalid) as exc:
-            st.warning(f"Could not clone run {clone}: {exc}")
+            st.warning(f"Could not clone run {md_escape(clone)}: {md_escape(str(exc))}")
     elif forms.KEY_PREFIX + "name" not in st.session_state:
         st.session_state.update(forms.widget_state(RunConfig()))
 

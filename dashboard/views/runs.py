@@ -6,6 +6,7 @@ import streamlit as st
 from sqlalchemy.orm import Session
 
 from dashboard import history, nav, state
+from dashboard.text import md_escape
 from db.queries import all_points
 from db.runs import clean_tags, get_run, update_run
 from trainer.launcher import DeleteError, delete_run
@@ -82,7 +83,7 @@ def _one_run(run_id: int) -> None:
     engine = state.engine()
     with Session(engine) as s:
         run = get_run(s, run_id)
-    st.subheader(f"#{run.id} {run.name}")
+    st.subheader(f"#{run.id} {md_escape(run.name)}")
     with st.form(f"edit_{run.id}"):
         name = st.text_input("Name", value=run.name, max_chars=200)
         tags = st.text_input("Tags (comma-separated)", value=", ".join(run.tags))

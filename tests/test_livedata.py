@@ -1,0 +1,85 @@
+"""The Live page's logic without Streamlit: progress, the per-rank table and its plain-words flags."""
+
+from __future__ import annotations
+
+import time
+
+import pandas as pd
+
+from dashboard import livedata
+from dashboard.text import md_escape
+from db.runs import RunInfo
+
+
+def run_info(status: str = "running", total: int | None = 100, started: float | None = None) -> RunInfo:
+    now = time.time()
+    return RunInfo(id=1, key="k", name="r", status=status, config={}, world_size=3, run_dir="", host="h",
+                   created_at=now - 60, started_at=started or now - 50, ended_at=None, heartbeat_at=now,
+                   total_steps=total, supervisor_pid=None, torchrun_pid=None, worker_pids=(), exit_code=None,
+                   failed_ranks=(), error="", tags=(), notes="")
+
+
+def states(steps: list[int], beats: list[float]) -> pd.DataFrame:
+    return pd.DataFrame({"rank": range(len(steps)), "host": "h", "pid": 1, "device": "cpu", "status": "running",
+                         "step": steps, "attempt": 0, "heartbeat_at": beats})
+
+
+def cache_with(step_times: list[float]) -> livedata.SeriesCache:
+    cache = livedata.SeriesCache(1)
+    rows = [{"rank": r, "step": 10, "value": v, "vmin": v, "vmax": v, "time": 0.0, "count": 1}
+            for r, v in enumerate(step_times)]
+    cache.frames["step_time"] = pd.DataFrame(rows)
+    return cache
+
+
+def test_progress_uses_the_slowest_rank_and_estimates_eta() -> None:
+    now = time.time()
+    prog = livedata.progress(run_info(started=now - 50), states([20, 25, 30], [now] * 3), now=now)
+    assert prog.done == 20 and prog.fraction == 0.2 and round(prog.eta_s or 0) == 200
+    assert prog.text().startswith("20/100 steps")
+
+
+def test_stale_heartbeat_is_flagged_as_a_possible_hang() -> None:
+    now = time.time()
+    table = livedata.rank_table(run_info(), states([5, 5, 5], [now, now - 40, now]), cache_with([0.1] * 3), now)
+    assert "no heartbeat for 40 s" in table.loc[1, "flag"] and table.loc[0, "flag"] == ""
+
+
+def test_slow_rank_is_flagged_as_a_straggler() -> None:
+    now = time.time()
+    table = livedata.rank_table(run_info(), states([5, 5, 5], [now] * 3), cache_with([0.1, 0.1, 0.35]), now)
+    assert table.loc[2, "flag"].startswith("straggler: its steps take 3.5×")
+    assert table.loc[0, "flag"] == ""
+
+
+def test_finished_runs_are_not_flagged() -> None:
+    now = time.time()
+    table = livedata.rank_table(run_info(status="succeeded"), states([5, 5, 5], [now - 999] * 3),
+                                cache_with([0.1, 0.1, 0.9]), now)
+    assert (table["flag"] == "").all()
+
+
+def test_series_cache_fetches_only_new_points(engine) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy.orm import Session
+
+    from db.writer import MetricWriter
+    from tests.conftest import make_run
+
+    run_id = make_run(engine)
+    w = MetricWriter(engine, run_id, 0, flush_interval_s=3600)
+    for step in range(1, 11):
+        w.log(step, {"loss": float(step)})
+    w.flush()
+    cache = livedata.SeriesCache(run_id)
+    with Session(engine) as s:
+        cache.refresh(s, ("loss",))
+    w.log(11, {"loss": 11.0})
+    w.close()
+    with Session(engine) as s:
+        cache.refresh(s, ("loss",))
+    assert cache.get("loss")["step"].tolist() == list(range(1, 12))
+
+
+def test_user_text_cannot_become_markdown() -> None:
+    assert md_escape("**bold** [x](javascript:alert(1)) :red[y] <b>") == (
+        r"\*\*bold\*\* \[x\]\(javascript\:alert\(1\)\) \:red\[y\] \<b\>")

@@ -1,0 +1,81 @@
+"""ddpdash on PostgreSQL (the multi-node store): migrations, the writer, the queries and a real
+two-rank torchrun run, against a private server started for these tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from dashboard import history
+from db.migrate import current_revision, head_revision, open_store
+from db.queries import count_points, metric_series, rank_states
+from db.writer import MetricWriter
+from tests.conftest import make_run, run_in_dir, tiny, torchrun_by_hand
+from tests.pg import postgres_server
+from trainer.launcher import delete_run
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture
+def pg(pg_url: str) -> Iterator[Engine]:
+    engine = open_store(pg_url)
+    yield engine
+    engine.dispose()
+
+
+def test_migrations_reach_head_and_are_idempotent(pg: Engine, pg_url: str) -> None:
+    assert current_revision(pg) == head_revision()
+    open_store(pg_url).dispose()  # a second open is a no-op
+
+
+def test_writer_and_downsampling_on_postgres(pg: Engine) -> None:
+    run_id = make_run(pg)
+    w = MetricWriter(pg, run_id, 0, flush_interval_s=3600)
+    for step in range(1, 5001):
+        w.log(step, {"loss": 1.0 / step, "samples_per_s": 100.0})
+        if step % 1000 == 0:
+            w.flush()
+    w.close(status="done")
+    with Session(pg) as s:
+        assert count_points(s, run_id) == 10_000
+        df = metric_series(s, run_id, "loss", max_points=200)
+        raw = metric_series(s, run_id, "loss", max_points=10_000)
+        assert rank_states(s, run_id)["status"].tolist() == ["done"]
+    assert len(df) <= 200 and df["count"].sum() == 5000 and df["vmax"].max() == 1.0
+    assert raw["step"].tolist() == list(range(1, 5001))
+
+
+def test_history_and_delete_on_postgres(pg: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPDASH_HOME", str(tmp_path))
+    from tests.seed import seed_run
+    from trainer.config import RunConfig
+
+    a = seed_run(pg, RunConfig(name="pg-a", num_procs=1), steps=50)
+    b = seed_run(pg, RunConfig(name="pg-b", num_procs=2), steps=50)
+    with Session(pg) as s:
+        frame = history.runs_frame(s).set_index("id")
+    assert frame.loc[b, "samples_per_s"] == pytest.approx(2000.0) and frame.loc[a, "final_loss"] > 0
+    delete_run(pg, a)
+    with Session(pg) as s:
+        assert a not in history.runs_frame(s)["id"].tolist()
+
+
+@pytest.mark.slow
+def test_a_real_torchrun_run_writes_every_rank_to_postgres(pg: Engine, pg_url: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "pg-run"
+    result = torchrun_by_hand(tiny(max_steps=15), run_dir, pg_url)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = run_in_dir(pg, run_dir)
+    with Session(pg) as s:
+        loss = metric_series(s, run.id, "loss")
+    assert run.status == "succeeded"
+    assert loss.groupby("rank")["step"].max().to_dict() == {0: 15, 1: 15}
