@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from bench.common import Result, describe, interleaved, median_spread, parser, print_results, ratios
+from bench.common import Result, describe, interleaved, median_spread, ratios, run_main
 from bench.seed import seed_big_run
 from dashboard.charts import loss_chart
 from db.migrate import open_store
@@ -76,10 +76,12 @@ def measure(ranks: int, steps: int, repeats: int) -> list[Result]:
                    "≤ 50 ms", med <= 0.050)]
 
 
+# Arguments of measure() for each mode: --smoke (the test suite), --quick, and the full run.
+SIZES = {"smoke": (2, 5_000, 2), "quick": (8, 125_000, 5), "full": (8, 125_000, 15)}
+
+
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
-    ranks, steps, repeats = (2, 5_000, 2) if args.smoke else (8, 125_000, 5) if args.quick else (8, 125_000, 15)
-    print_results(measure(ranks, steps, repeats))
+    run_main(__doc__, SIZES, measure)
 
 
 if __name__ == "__main__":

@@ -67,3 +67,14 @@ def parser(description: str) -> argparse.ArgumentParser:
 def print_results(results: list[Result]) -> None:
     for r in results:
         print(r.line(), flush=True)
+
+
+def mode(args: argparse.Namespace) -> str:
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def run_main(doc: str | None, sizes: dict[str, tuple[int, ...]],
+             measure: Callable[..., list[Result]]) -> None:
+    """A benchmark's command line: pick the sizes for the mode, measure, print one line per target."""
+    args = parser(doc or "").parse_args()
+    print_results(measure(*sizes[mode(args)]))

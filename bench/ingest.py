@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import Result, describe, interleaved, median_spread, parser, print_results, ratios
+from bench.common import Result, describe, interleaved, median_spread, ratios, run_main
 
 METRICS = ("loss", "samples_per_s", "step_time", "data_time")
 BATCH = 10_000
@@ -104,10 +104,12 @@ def measure(steps: int, repeats: int) -> list[Result]:
     return results
 
 
+# Arguments of measure() for each mode: --smoke (the test suite), --quick, and the full run.
+SIZES = {"smoke": (500, 1), "quick": (25_000, 3), "full": (50_000, 5)}
+
+
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
-    steps, repeats = (500, 1) if args.smoke else (25_000, 3) if args.quick else (50_000, 5)
-    print_results(measure(steps, repeats))
+    run_main(__doc__, SIZES, measure)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from bench.common import ROOT, Result, describe, interleaved, median_spread, parser, print_results
+from bench.common import ROOT, Result, describe, interleaved, median_spread, run_main
 from db.migrate import open_store
 from db.models import MetricPoint
 from trainer.config import Machine, RunConfig
@@ -68,10 +68,12 @@ def measure(repeats: int) -> list[Result]:
     return [Result("launch latency", f"+{med:.2f} s (spread {spread:.2f})", "≤ +0.5 s", med <= 0.5)]
 
 
+# Arguments of measure() for each mode: --smoke (the test suite), --quick, and the full run.
+SIZES = {"smoke": (1,), "quick": (3,), "full": (7,)}
+
+
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
-    repeats = 1 if args.smoke else 3 if args.quick else 7
-    print_results(measure(repeats))
+    run_main(__doc__, SIZES, measure)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy.orm import Session
 
-from bench.common import Result, describe, median_spread, parser, print_results
+from bench.common import Result, describe, median_spread, run_main
 from bench.seed import seed_big_run
 from dashboard import charts, livedata
 from db.migrate import open_store
@@ -70,10 +70,12 @@ def measure(ranks: int, steps: int, repeats: int) -> list[Result]:
                    med <= 0.100)]
 
 
+# Arguments of measure() for each mode: --smoke (the test suite), --quick, and the full run.
+SIZES = {"smoke": (2, 2_000, 2), "quick": (8, 100_000, 5), "full": (8, 100_000, 15)}
+
+
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
-    ranks, steps, repeats = (2, 2_000, 2) if args.smoke else (8, 100_000, 5) if args.quick else (8, 100_000, 15)
-    print_results(measure(ranks, steps, repeats))
+    run_main(__doc__, SIZES, measure)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from bench.common import ROOT, Result, describe, interleaved, median_spread, parser, print_results, ratios
+from bench.common import ROOT, Result, describe, interleaved, median_spread, ratios, run_main
 from db.migrate import open_store
 from db.models import MetricPoint
 from trainer.config import RunConfig
@@ -74,10 +74,12 @@ def measure(steps: int, repeats: int) -> list[Result]:
     return [Result("trainer vs plain DDP", f"{share:.3f}× samples/s", "≥ 0.98×", share >= 0.98)]
 
 
+# Arguments of measure() for each mode: --smoke (the test suite), --quick, and the full run.
+SIZES = {"smoke": (80, 1), "quick": (1000, 3), "full": (2000, 7)}
+
+
 def main() -> None:
-    args = parser(__doc__ or "").parse_args()
-    steps, repeats = (80, 1) if args.smoke else (1000, 3) if args.quick else (2000, 7)
-    print_results(measure(steps, repeats))
+    run_main(__doc__, SIZES, measure)
 
 
 if __name__ == "__main__":

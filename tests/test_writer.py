@@ -12,19 +12,14 @@ from sqlalchemy.orm import Session
 from db.engine import make_engine
 from db.queries import count_points, metric_series, rank_states
 from db.writer import MetricWriter
-from tests.conftest import make_run
+from tests.conftest import make_run, wait_for
 
 
 def test_first_point_is_written_at_once_and_later_ones_wait_for_the_flush(engine: Engine) -> None:
     run_id = make_run(engine)
     w = MetricWriter(engine, run_id, 0, flush_interval_s=60)
     w.log(1, {"loss": 1.0})
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with Session(engine) as s:
-            if count_points(s, run_id) == 1:
-                break
-        time.sleep(0.02)
+    wait_for(lambda: points(engine, run_id) == 1, 5, every=0.02)
     w.log(2, {"loss": 0.5})  # returns at once; written at the next flush (60 s away) or at close
     with Session(engine) as s:
         assert count_points(s, run_id) == 1
@@ -34,18 +29,17 @@ def test_first_point_is_written_at_once_and_later_ones_wait_for_the_flush(engine
         assert rank_states(s, run_id).iloc[0]["status"] == "done"
 
 
+def points(engine: Engine, run_id: int) -> int:
+    with Session(engine) as s:
+        return count_points(s, run_id)
+
+
 def test_background_thread_flushes_within_a_second_or_so(engine: Engine) -> None:
     run_id = make_run(engine)
     w = MetricWriter(engine, run_id, 0, flush_interval_s=0.2)
     w.log(1, {"loss": 1.0})
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with Session(engine) as s:
-            if count_points(s, run_id) == 1:
-                break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("nothing flushed")
+    w.log(2, {"loss": 0.9})
+    wait_for(lambda: points(engine, run_id) == 2, 5, every=0.05)
     w.close()
 
 
