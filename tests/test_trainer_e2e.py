@@ -158,3 +158,32 @@ def test_repeated_short_runs_always_exit_zero(store) -> None:  # type: ignore[no
         result = torchrun_by_hand(tiny(max_steps=3, sync_check_every=0), root / f"repeat{i}", url)
         codes.append((result.returncode, result.stderr[-500:] if result.returncode else ""))
     assert [c for c, _ in codes] == [0] * 5, codes
+
+
+def test_two_nodes_register_one_run_with_every_rank(store) -> None:  # type: ignore[no-untyped-def]
+    """What the README's multi-node recipe does, with two 'nodes' on this machine (c10d rendezvous)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    engine, url, root = store
+    run_dir = root / "two-nodes"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(tiny(max_steps=10, num_procs=1).to_json())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-job",
+            "-m", "trainer", "--config", str(run_dir / "config.json")]
+    env = {**os.environ, "DDPDASH_DB_URL": url, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outputs]
+    run = run_in_dir(engine, run_dir)
+    with Session(engine) as s:
+        loss = metric_series(s, run.id, "loss")
+    assert run.world_size == 2 and run.status == "succeeded"
+    assert loss.groupby("rank")["step"].max().to_dict() == {0: 10, 1: 10}
