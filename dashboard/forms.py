@@ -5,7 +5,6 @@ page only lays widgets out."""
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +179,3 @@ def command_previews(cfg: RunConfig) -> tuple[str, str]:
     torchrun[torchrun.index("--rdzv-id") + 1] = "ddpdash-run-NNNNN"
     torchrun[-1] = "NNNNN"
     return shlex.join(cli_command(cfg)), shlex.join(torchrun)
-
-
-def field_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(RunConfig)]

@@ -54,14 +54,6 @@ def rank_states(s: Session, run_id: int) -> pd.DataFrame:
 SERIES_COLUMNS = ["rank", "step", "value", "vmin", "vmax", "time", "count"]
 
 
-def metric_names(s: Session, run_id: int) -> list[str]:
-    width = ROLLUP_WIDTHS[-1]
-    return list(s.scalars(
-        select(MetricRollup.name).where(MetricRollup.run_id == run_id, MetricRollup.width == width)
-        .distinct().order_by(MetricRollup.name)
-    ))
-
-
 def step_span(s: Session, run_id: int, name: str) -> tuple[int, int] | None:
     """First and last step of a metric, read from the coarsest rollup (a handful of rows)."""
     lo, hi = s.execute(

@@ -8,6 +8,7 @@ lists (never a shell string), each in a session of its own, logging to files in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -191,7 +192,7 @@ def terminate_run(torchrun_pid: int | None, worker_pids: tuple[int, ...] | list[
     known = set(worker_pids)
     if torchrun_pid and alive(torchrun_pid):
         known.update(descendants(torchrun_pid))
-        with _quiet():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(torchrun_pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -201,23 +202,10 @@ def terminate_run(torchrun_pid: int | None, worker_pids: tuple[int, ...] | list[
     killed = []
     for pid in [torchrun_pid, *known]:
         if pid and alive(pid):
-            with _quiet():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
     return killed
-
-
-class _quiet:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
-        return exc_type is not None and issubclass(exc_type, ProcessLookupError | PermissionError)  # type: ignore[arg-type]
-
-
-def run_pids(run: RunInfo) -> list[int]:
-    pids = [p for p in (run.supervisor_pid, run.torchrun_pid, *run.worker_pids) if p]
-    return [p for p in pids if alive(p)]
 
 
 # ---- stop ------------------------------------------------------------------------------------
@@ -234,7 +222,7 @@ def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + ST
         update_run(s, run_id, status="stopping")
         add_event(s, run_id, "stop", "stop requested")
     if run.host == socket.gethostname() and alive(run.supervisor_pid, "trainer.supervisor"):
-        with _quiet():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(run.supervisor_pid, signal.SIGTERM)  # type: ignore[arg-type]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -250,7 +238,7 @@ def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + ST
         run = get_run(s, run_id)
     killed = terminate_run(run.torchrun_pid, run.worker_pids, wait_s=1.0)
     if alive(run.supervisor_pid, "trainer.supervisor"):
-        with _quiet():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(run.supervisor_pid, signal.SIGKILL)  # type: ignore[arg-type]
     with Session(engine) as s, s.begin():
         if finish_run(s, run_id, "stopped"):

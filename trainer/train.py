@@ -97,13 +97,17 @@ def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, sc
     os.replace(tmp, path)  # atomic: a crash mid-write leaves the previous checkpoint whole
 
 
-def load_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    device: torch.device) -> int:
+def read_checkpoint(path: Path) -> dict[str, Any] | None:
+    """The run folder's checkpoint, if any (read once: main() needs its step, train() its state)."""
     if not path.exists():
-        return 0
-    state = torch.load(path, map_location=device, weights_only=True)
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def apply_checkpoint(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
+                     scaler: torch.amp.GradScaler) -> int:
     model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    opt.load_state_dict(state["optimizer"])  # moves the state to the parameters' device
     scaler.load_state_dict(state["scaler"])
     return int(state["step"])
 
@@ -213,7 +217,7 @@ class Window:
 
 # ---- the loop --------------------------------------------------------------------------------
 def train(cfg: RunConfig, env: DistEnv, writer: MetricWriter | NullWriter, run_dir: Path, stop: StopFlag,
-          faults: list[Fault], start_step: int | None = None) -> str:
+          faults: list[Fault], checkpoint: dict[str, Any] | None = None) -> str:
     """Train until done or asked to stop; returns the rank's final status ("done" or "stopped")."""
     torch.manual_seed(cfg.seed)  # same seed on every rank: replicas start identical
     data = load(cfg)
@@ -222,7 +226,7 @@ def train(cfg: RunConfig, env: DistEnv, writer: MetricWriter | NullWriter, run_d
     opt = make_optimizer(cfg, module.parameters())
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
     ckpt = run_dir / CHECKPOINT_NAME
-    step = load_checkpoint(ckpt, module, opt, scaler, env.device) if start_step is None else start_step
+    step = apply_checkpoint(checkpoint, module, opt, scaler) if checkpoint else 0
     sampler = DistributedSampler(data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
@@ -393,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
         engine = open_store(args.db_url)
     run_id = resolve_run(engine, args, cfg, run_dir, env.world_size)
-    resume_step = _checkpoint_step(run_dir / CHECKPOINT_NAME)
+    checkpoint = read_checkpoint(run_dir / CHECKPOINT_NAME)
+    resume_step = int(checkpoint["step"]) if checkpoint else 0
     resuming = env.attempt > 0 or resume_step > 0
     writer = MetricWriter(engine, run_id, env.rank, device=str(env.device), attempt=env.attempt,
                           resume_after_step=resume_step if resuming else None)
@@ -406,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("run %s: %d rank(s) on %s, attempt %d", run_id, env.world_size, env.device, env.attempt)
     status = "failed"
     try:
-        status = train(cfg, env, writer, run_dir, stop, faults, start_step=None)
+        status = train(cfg, env, writer, run_dir, stop, faults, checkpoint)
+        del checkpoint
     except Exception as exc:
         if stop.requested:
             status = "stopped"  # a peer left first during the shutdown; that is the stop, not a failure
@@ -424,12 +430,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(f.kind == "abort-exit" and f.rank == env.rank for f in faults):
         os.abort()  # DDPDASH_TEST_FAULT: the SIGABRT-at-exit that torchrun reports as a failure
     return 0
-
-
-def _checkpoint_step(path: Path) -> int:
-    if not path.exists():
-        return 0
-    return int(torch.load(path, map_location="cpu", weights_only=True)["step"])
 
 
 def _finish_unsupervised(engine: Any, run_id: int, status: str) -> None:
