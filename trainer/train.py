@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import logging
 import math
 import os
@@ -360,8 +361,10 @@ def resolve_run(engine: Any, args: argparse.Namespace, cfg: RunConfig, run_dir: 
 
     if args.run_id is not None:
         return int(args.run_id)
-    key = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4()}"
-    key = f"{key}:{run_dir.resolve()}"[:64] if len(key) < 64 else key[:64]
+    # Every node of a job shares the rendezvous id and (README) the config path: one run for all ranks.
+    rendezvous = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4()}"
+    folder = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    key = f"{rendezvous[:47]}:{folder}"
     for _ in range(50):
         with Session(engine) as s, s.begin():
             found = find_run_by_key(s, key)
