@@ -33,7 +33,9 @@ def bare_torchrun() -> float:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(ROOT / "bench" / "plain_ddp.py"), "--steps", "5", "--warmup", "1", "--out", str(out)]
         start = time.time()
-        subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if not out.exists():
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
         return float(json.loads(out.read_text())["first_step"]) - start
 
 

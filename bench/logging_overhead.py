@@ -35,7 +35,9 @@ def run_loop(logger: str, steps: int, ranks: int) -> float:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                    *cmd[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        if not out.exists():  # a teardown hiccup after the result was written does not void the timing
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
         # The loop's own time: the writer's final flush at close() is a one-off at the end of a run
         # (reported by the loop, not per step), so it stays out of the per-step overhead.
         return float(json.loads(out.read_text())["elapsed"])

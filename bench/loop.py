@@ -9,6 +9,7 @@ Every variant computes the same values (.item() included); only where they go di
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -133,6 +134,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"elapsed": elapsed, "elapsed_with_close": elapsed_with_close,
                                               "steps": args.steps}))
     del ddp, model, opt, loss
+    gc.collect()  # release DDP before tearing the group down (NOTES: SIGABRT at exit otherwise)
     if distributed:
         dist.destroy_process_group()
 
