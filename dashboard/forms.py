@@ -5,6 +5,7 @@ page only lays widgets out."""
 
 from __future__ import annotations
 
+import functools
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,14 +57,16 @@ class FieldSpec:
         return KEY_PREFIX + self.name
 
 
-def field_specs() -> list[FieldSpec]:
+@functools.cache
+def field_specs() -> tuple[FieldSpec, ...]:
+    """The form's fields, in section order (static: built once per process)."""
     default = RunConfig()
     specs = [
         FieldSpec(f.name, f.name.replace("_", " ").capitalize(), field_kind(f), f.metadata["help"],
                   f.metadata["section"], field_choices(f), getattr(default, f.name))
         for f in config_fields()
     ]
-    return sorted(specs, key=lambda s: SECTION_ORDER.index(s.section))
+    return tuple(sorted(specs, key=lambda s: SECTION_ORDER.index(s.section)))
 
 
 def sections() -> dict[str, list[FieldSpec]]:

@@ -8,6 +8,7 @@ form section it belongs to. This module imports nothing heavy (no torch) so the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -154,9 +155,14 @@ def config_fields() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(RunConfig))
 
 
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(RunConfig)  # evaluates every annotation: once per process is enough
+
+
 def field_kind(f: dataclasses.Field[Any]) -> str:
     """One of: bool, int, float, str, choice, int_list."""
-    hint = typing.get_type_hints(RunConfig)[f.name]
+    hint = _hints()[f.name]
     if get_origin(hint) is Literal:
         return "choice"
     if get_origin(hint) is tuple:
@@ -165,7 +171,7 @@ def field_kind(f: dataclasses.Field[Any]) -> str:
 
 
 def field_choices(f: dataclasses.Field[Any]) -> tuple[str, ...]:
-    hint = typing.get_type_hints(RunConfig)[f.name]
+    hint = _hints()[f.name]
     return tuple(get_args(hint)) if get_origin(hint) is Literal else ()
 
 
