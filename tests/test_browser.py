@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from sqlalchemy.orm import Session
 
 from db.migrate import open_store
@@ -74,7 +75,7 @@ def browser() -> Iterator[Browser]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     home = tmp_path_factory.mktemp("browser") / "home"
     # Paces rank 0 so a few hundred steps take long enough to watch them grow (a test-only switch).
-    proc, url = start_ui(home, DDPDASH_TEST_FAULT="sleep:0:0.02")
+    proc, url = start_ui(home, DDPDASH_TEST_FAULT="sleep:0:0.05")
     yield url, home
     stop_active_runs(open_store(f"sqlite:///{home / 'ddpdash.db'}"))
     proc.terminate()
@@ -101,10 +102,16 @@ def set_number(page: Page, label: str, value: str) -> None:
     box.press("Enter")
 
 
-def choose(page: Page, label: str, option: str) -> None:
-    page.get_by_role("combobox", name=label).click()
-    page.get_by_role("option", name=option, exact=True).click()
-    expect(page.get_by_role("combobox", name=label)).to_have_value(option)
+def choose(page: Page, label: str, option: str, attempts: int = 5) -> None:
+    """Pick an option; a rerun that lands while the list is open closes it, so open it again."""
+    for _ in range(attempts):
+        page.get_by_role("combobox", name=label).click()
+        try:
+            page.get_by_role("option", name=option, exact=True).click(timeout=5_000)
+            break
+        except PlaywrightTimeout:
+            page.keyboard.press("Escape")
+    expect(page.get_by_role("combobox", name=label)).to_have_value(option, timeout=30_000)
 
 
 def steps_done(page: Page) -> int:
@@ -121,17 +128,19 @@ def test_journey_launch_watch_and_stop(server: tuple[str, Path], page: Page) -> 
     set_number(page, "Batch size", "16")
     choose(page, "Amp", "bf16")
     set_number(page, "Max steps", "400")
-    expect(page.get_by_text("32 = 16 × 2 ranks × 1 accum")).to_be_visible()
+    expect(page.get_by_text("32 = 16 × 2 ranks × 1 accum")).to_be_visible(timeout=30_000)
     page.get_by_role("button", name="Launch").click()
     page.wait_for_url(re.compile(r"/(live)?\?run=\d+$"))  # Live is the default page: its URL is /
     chart = page.locator("[data-testid='stVegaLiteChart'] svg").first
     expect(chart).to_be_visible(timeout=90_000)
-    expect(chart.get_by_text("rank 0", exact=True)).to_be_visible()
-    expect(chart.get_by_text("rank 1", exact=True)).to_be_visible()
+    expect(chart.get_by_text("rank 0", exact=True)).to_be_visible(timeout=30_000)
+    expect(chart.get_by_text("rank 1", exact=True)).to_be_visible(timeout=30_000)
     first = steps_done(page)
-    time.sleep(3)
-    expect(page.get_by_text(re.compile(r"\d+/400 steps"))).to_be_visible()
-    second = steps_done(page)
+    deadline = time.monotonic() + 30
+    second = first
+    while second <= first and time.monotonic() < deadline:  # two looks, a refresh or more apart
+        time.sleep(2)
+        second = steps_done(page)
     assert second > first, (first, second)
     page.get_by_role("button", name="Stop").click()
     page.get_by_role("button", name="Yes, stop it").click()
