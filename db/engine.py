@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -17,11 +19,28 @@ SQLITE_BUSY_TIMEOUT_MS = 10_000
 def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
     # WAL + busy_timeout: measured 0 lock errors with 4 writers and a reader (shared/NOTES.md).
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    _ensure_wal(cursor)
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+
+
+def _ensure_wal(cursor) -> None:  # type: ignore[no-untyped-def]
+    """WAL is stored in the file: only the first connection switches it. Switching needs the file to
+    itself, and SQLite answers "database is locked" at once (no busy wait) when ranks open a new
+    database together, so the switch is retried while others hold it."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        if cursor.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+            return
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def make_engine(url: str | None = None) -> Engine:
