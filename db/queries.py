@@ -82,35 +82,39 @@ def metric_series(
         return _regroup_raw(s, run_id, name, needed, after_step)
     width = next((w for w in ROLLUP_WIDTHS if w >= needed), ROLLUP_WIDTHS[-1])
     r = MetricRollup.__table__.c  # Core columns: the ORM's per-row processing costs more than the query
-    result = s.connection().execute(
+    return _series_frame(_plain_rows(s,
         select(r.rank, r.step_max, r.vsum / r.count, r.vmin, r.vmax, r.time_max, r.count)
         .where(r.run_id == run_id, r.name == name, r.width == width, r.step_max > after_step)
         .order_by(r.rank, r.bucket)
-    )
-    rows = result.cursor.fetchall()  # plain DBAPI tuples: no Row objects for thousands of numbers
+    ))
+
+
+def _plain_rows(s: Session, stmt: Any) -> list[tuple[Any, ...]]:
+    """Plain DBAPI tuples: numpy turns them into an array fast, SQLAlchemy Row objects slowly."""
+    result = s.connection().execute(stmt)
+    rows = result.cursor.fetchall()
     result.close()
-    return _series_frame(rows)
+    return rows
 
 
 def _raw_points(s: Session, run_id: int, name: str, after_step: int) -> pd.DataFrame:
-    rows = s.execute(
-        select(MetricPoint.rank, MetricPoint.step, MetricPoint.value, MetricPoint.value, MetricPoint.value,
-               MetricPoint.time, literal(1))
-        .where(MetricPoint.run_id == run_id, MetricPoint.name == name, MetricPoint.step > after_step)
-        .order_by(MetricPoint.rank, MetricPoint.step)
-    ).all()
-    return _series_frame(rows)
+    p = MetricPoint.__table__.c
+    return _series_frame(_plain_rows(s,
+        select(p.rank, p.step, p.value, p.value, p.value, p.time, literal(1))
+        .where(p.run_id == run_id, p.name == name, p.step > after_step)
+        .order_by(p.rank, p.step)
+    ))
 
 
 def _regroup_raw(s: Session, run_id: int, name: str, width: int, after_step: int) -> pd.DataFrame:
-    bucket = MetricPoint.step // width
-    rows = s.execute(
-        select(MetricPoint.rank, func.max(MetricPoint.step), func.avg(MetricPoint.value), func.min(MetricPoint.value),
-               func.max(MetricPoint.value), func.max(MetricPoint.time), func.count())
-        .where(MetricPoint.run_id == run_id, MetricPoint.name == name, MetricPoint.step > after_step)
-        .group_by(MetricPoint.rank, bucket).order_by(MetricPoint.rank, bucket)
-    ).all()
-    return _series_frame(rows)
+    p = MetricPoint.__table__.c
+    bucket = p.step // width
+    return _series_frame(_plain_rows(s,
+        select(p.rank, func.max(p.step), func.avg(p.value), func.min(p.value), func.max(p.value), func.max(p.time),
+               func.count())
+        .where(p.run_id == run_id, p.name == name, p.step > after_step)
+        .group_by(p.rank, bucket).order_by(p.rank, bucket)
+    ))
 
 
 def all_points(s: Session, run_id: int) -> pd.DataFrame:
