@@ -27,20 +27,69 @@ def available(logger: str) -> bool:
 
 
 def run_loop(logger: str, steps: int, ranks: int) -> float:
+    """One timed loop. "ddpdash" is how a launched run logs: the ranks relay to a writer in another
+    process (here this one, idle otherwise, as the supervisor is); "ddpdash-direct" is how a
+    hand-started run logs: each rank writes the database itself."""
     with tempfile.TemporaryDirectory() as work:
         out = Path(work) / "result.json"
-        cmd = [sys.executable, str(LOOP), "--logger", logger, "--steps", str(steps), "--workdir", work,
+        loop_logger = "ddpdash" if logger.startswith("ddpdash") else logger
+        cmd = [sys.executable, str(LOOP), "--logger", loop_logger, "--steps", str(steps), "--workdir", work,
                "--out", str(out)]
         if ranks > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                    *cmd[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        store = Store(Path(work), relay=logger == "ddpdash") if loop_logger == "ddpdash" else None
+        if store is not None:
+            cmd += ["--run-id", str(store.run_id), "--db-url", store.url]
+            env.update(store.env)
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if not out.exists():  # a teardown hiccup after the result was written does not void the timing
             raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+        result = json.loads(out.read_text())
+        if store is not None:
+            store.check_complete(expected=(result["steps"] + result["warmup"]) * 3 * ranks)
         # The loop's own time: the writer's final flush at close() is a one-off at the end of a run
         # (reported by the loop, not per step), so it stays out of the per-step overhead.
-        return float(json.loads(out.read_text())["elapsed"])
+        return float(result["elapsed"])
+
+
+class Store:
+    """The database a ddpdash loop writes, its run, and (relay=True) the relay the ranks send to."""
+
+    def __init__(self, work: Path, relay: bool) -> None:
+        from sqlalchemy.orm import Session
+
+        from db.migrate import open_store
+        from db.runs import create_run
+        from trainer.relay import Listener
+        from trainer.relay_server import RelayServer
+
+        self.url = f"sqlite:///{work / 'ddpdash.db'}"
+        self.engine = open_store(self.url)
+        with Session(self.engine) as s, s.begin():
+            self.run_id = create_run(s, key=f"bench-{work.name}", name="bench", config_json="{}", world_size=1)
+        self.env: dict[str, str] = {}
+        self.server = None
+        if relay:
+            listener = Listener()
+            self.server = RelayServer(self.engine, self.run_id, listener)
+            self.env = listener.env()
+
+    def check_complete(self, expected: int) -> None:
+        """Every logged point is in the database: a fast writer that loses points would be no writer."""
+        from sqlalchemy import func, select
+        from sqlalchemy.orm import Session
+
+        from db.models import MetricPoint
+
+        if self.server is not None:
+            self.server.drain()
+        with Session(self.engine) as s:
+            stored = s.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.run_id == self.run_id))
+        self.engine.dispose()
+        if stored != expected:
+            raise SystemExit(f"ddpdash stored {stored} points, the loop logged {expected}")
 
 
 def compare(loggers: list[str], steps: int, repeats: int, ranks: int) -> dict[str, list[float]]:
@@ -62,7 +111,7 @@ def measure(steps: int, repeats: int) -> list[Result]:
     for ranks in (1, 2):
         label = "1 process" if ranks == 1 else "2 torchrun ranks"
         print(f"-- {label}, {steps} steps, log every step")
-        times = compare(["none", "ddpdash"], steps, repeats, ranks)
+        times = compare(["none", "ddpdash", "ddpdash-direct"], steps, repeats, ranks)
         med, _ = median_spread(ratios(times["ddpdash"], times["none"]))
         results.append(Result(f"logging overhead ({label})", f"{med:.3f}×", "≤ 1.01×", med <= 1.01))
         if others:

@@ -1,6 +1,7 @@
 """The training loop the logging-overhead benchmark times: an MLP on digits, logging every step.
 
     python bench/loop.py --logger none|ddpdash|mlflow|tensorboard --steps N --out RESULT.json
+                         [--run-id N --db-url URL]   (ddpdash; DDPDASH_RELAY set: through the relay)
     torchrun --standalone --nproc-per-node 2 bench/loop.py --logger ddpdash ...
 
 Every variant computes the same values (.item() included); only where they go differs.
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from trainer.config import RunConfig
 from trainer.data import keep_batch, load
 from trainer.models import build
+from trainer.train import DistEnv, open_writer
 
 
 class Sink:
@@ -35,26 +37,16 @@ class Sink:
     def close(self) -> None: ...
 
 
-def make_sink(kind: str, workdir: Path, rank: int) -> Sink:
+def make_sink(kind: str, workdir: Path, rank: int, run_id: int | None, db_url: str | None) -> Sink:
     if kind == "none":
         return Sink()
     if kind == "ddpdash":
-        from sqlalchemy.orm import Session
-
-        from db.migrate import open_store
-        from db.runs import create_run
-        from db.writer import MetricWriter
-
-        engine = open_store(f"sqlite:///{workdir / 'ddpdash.db'}")
-        run_id = 1
-        if rank == 0:
-            with Session(engine) as s, s.begin():
-                run_id = create_run(s, key=f"bench-{os.getpid()}", name="bench", config_json="{}", world_size=1)
-        if dist.is_initialized():
-            box = [run_id]
-            dist.broadcast_object_list(box, src=0)
-            run_id = box[0]
-        return MetricWriter(engine, run_id, rank)  # type: ignore[return-value]
+        # The trainer's own choice: through the relay when the harness (standing in for the supervisor)
+        # serves one, straight to the database otherwise (a hand-started run).
+        env = DistEnv(rank, rank, dist.get_world_size() if dist.is_initialized() else 1, 0, torch.device("cpu"),
+                      dist.is_initialized())
+        writer, _, _ = open_writer(argparse.Namespace(run_id=run_id, db_url=db_url), RunConfig(), env, workdir, None)
+        return writer  # type: ignore[return-value]
     if kind == "mlflow":
         import mlflow
 
@@ -94,6 +86,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--run-id", type=int, help="ddpdash: the run the harness created")
+    p.add_argument("--db-url", help="ddpdash: the harness's database")
     args = p.parse_args()
     distributed = "RANK" in os.environ
     if distributed:
@@ -109,7 +103,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=0, drop_last=True)
     loader = DataLoader(data.train, batch_size=32, sampler=sampler, drop_last=True, collate_fn=keep_batch)
-    sink = make_sink(args.logger, workdir, rank)
+    sink = make_sink(args.logger, workdir, rank, args.run_id, args.db_url)
     step, epoch, start = 0, 0, 0.0
     while step < args.steps + args.warmup:
         sampler.set_epoch(epoch)
@@ -132,7 +126,7 @@ def main() -> None:
     elapsed_with_close = time.perf_counter() - start
     if rank == 0:
         Path(args.out).write_text(json.dumps({"elapsed": elapsed, "elapsed_with_close": elapsed_with_close,
-                                              "steps": args.steps}))
+                                              "steps": args.steps, "warmup": args.warmup}))
     del ddp, model, opt, loss
     gc.collect()  # release DDP before tearing the group down (NOTES: SIGABRT at exit otherwise)
     if distributed:

@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -58,8 +58,14 @@ class MetricWriter:
         attempt: int = 0,
         resume_after_step: int | None = None,
         flush_interval_s: float = FLUSH_INTERVAL_S,
+        alive_at: Callable[[], float] = time.time,
+        process: tuple[str, int] | None = None,
     ) -> None:
+        """When the supervisor writes for a rank (trainer/relay_server.py), `process` is the rank's
+        (host, pid) and `alive_at` the time it last heard from it; by default this process, and
+        the time of each flush."""
         self.engine = engine
+        self.alive_at = alive_at
         self.run_id = run_id
         self.rank = rank
         self.flush_interval_s = flush_interval_s
@@ -74,7 +80,7 @@ class MetricWriter:
         self._stop = threading.Event()
         self._wake = threading.Event()  # the first point is flushed at once: the run shows up live sooner
         self._flush_lock = threading.Lock()
-        self._register(device, attempt, resume_after_step)
+        self._register(device, attempt, resume_after_step, process or (socket.gethostname(), os.getpid()))
         self._thread = threading.Thread(target=self._run, name=f"ddpdash-writer-r{rank}", daemon=True)
         self._thread.start()
 
@@ -89,9 +95,9 @@ class MetricWriter:
         self.logged_points += len(values)
         self._step = step
 
-    def event(self, kind: str, message: str, detail: str = "") -> None:
+    def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
         self._pending.events.append(
-            {"run_id": self.run_id, "time": time.time(), "kind": kind, "rank": self.rank,
+            {"run_id": self.run_id, "time": time.time() if at is None else at, "kind": kind, "rank": self.rank,
              "message": message, "detail": detail}
         )
 
@@ -162,7 +168,7 @@ class MetricWriter:
         run_id, rank = self.run_id, self.rank
         points, series = _columns(run_id, rank, logs)
         rollups, rewrite_from = self._roll_up(series)
-        now = time.time()
+        alive_at = self.alive_at()
         with self.engine.begin() as conn:
             if points:
                 insert_many(conn, MetricPoint.__table__, POINT_COLUMNS, points)
@@ -180,7 +186,7 @@ class MetricWriter:
             conn.execute(
                 update(RankState)
                 .where(RankState.run_id == run_id, RankState.rank == rank)
-                .values(status=self._status, step=self._step, heartbeat_at=now)
+                .values(status=self._status, step=self._step, heartbeat_at=alive_at)
             )
         self.written_points += len(points)
 
@@ -200,14 +206,14 @@ class MetricWriter:
         return rows, rewrite_from
 
     # ---- start-up --------------------------------------------------------------------------
-    def _register(self, device: str, attempt: int, resume_after_step: int | None) -> None:
+    def _register(self, device: str, attempt: int, resume_after_step: int | None, process: tuple[str, int]) -> None:
         now = time.time()
         with Session(self.engine) as s, s.begin():
             exists = s.scalar(
                 select(func.count()).select_from(RankState)
                 .where(RankState.run_id == self.run_id, RankState.rank == self.rank)
             )
-            state = {"host": socket.gethostname(), "pid": os.getpid(), "device": device, "status": "running",
+            state = {"host": process[0], "pid": process[1], "device": device, "status": "running",
                      "attempt": attempt, "heartbeat_at": now}
             if exists:
                 s.execute(
@@ -277,7 +283,7 @@ class NullWriter:
     def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
         pass
 
-    def event(self, kind: str, message: str, detail: str = "") -> None:
+    def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
         pass
 
     def set_status(self, status: str) -> None:

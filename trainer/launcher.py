@@ -153,12 +153,14 @@ def _spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> s
         )
 
 
-def spawn_torchrun(cfg: RunConfig, run_dir: Path, run_id: int, db_url: str) -> subprocess.Popen[bytes]:
-    """Called by the supervisor. torchrun stays in the supervisor's session; its workers get their own."""
+def spawn_torchrun(cfg: RunConfig, run_dir: Path, run_id: int, db_url: str,
+                   relay_env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Called by the supervisor. torchrun stays in the supervisor's session; its workers get their own.
+    `relay_env` tells the ranks where the supervisor takes their metrics (trainer/relay.py)."""
     with open(run_dir / "torchrun.log", "ab") as out:
         return subprocess.Popen(
             torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env=torchrun_env(cfg, db_url), cwd=run_dir,
+            env={**torchrun_env(cfg, db_url), **relay_env}, cwd=run_dir,
         )
 
 

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from db.runs import add_event, finish_run, get_run, rank_statuses, set_rank_status, update_run
 from trainer.config import RunConfig
 from trainer.launcher import descendants, read_failures, root_causes, terminate_run
+from trainer.relay_server import RelayServer
 
 log = logging.getLogger("trainer.supervisor")
 POLL_S = 0.2
@@ -23,7 +24,7 @@ HEARTBEAT_S = 2.0
 
 
 def supervise(engine: Engine, run_id: int, run_dir: Path, cfg: RunConfig, proc: subprocess.Popen[bytes],
-              stop_requested: threading.Event) -> str:
+              stop_requested: threading.Event, relay: RelayServer) -> str:
     with Session(engine) as s, s.begin():
         update_run(s, run_id, status="running", started_at=time.time(), torchrun_pid=proc.pid,
                    supervisor_pid=os.getpid(), heartbeat_at=time.time())
@@ -34,6 +35,7 @@ def supervise(engine: Engine, run_id: int, run_dir: Path, cfg: RunConfig, proc: 
         if stop_requested.wait(POLL_S):
             killed = terminate_run(proc.pid, sorted(workers | set(descendants(proc.pid))))
             proc.wait()
+            relay.drain()  # the ranks' last metrics and statuses, before the run's own
             return _record_stop(engine, run_id, killed)
         now = time.time()
         if now - last_beat >= HEARTBEAT_S or not workers:
@@ -45,6 +47,7 @@ def supervise(engine: Engine, run_id: int, run_dir: Path, cfg: RunConfig, proc: 
             last_beat = now
     # torchrun is gone: make sure no worker outlived it.
     leftovers = terminate_run(None, sorted(workers), wait_s=1.0)
+    relay.drain()  # every rank has exited: write what they sent before judging the outcome
     if stop_requested.is_set():
         return _record_stop(engine, run_id, leftovers)
     return _record_exit(engine, run_id, run_dir, proc.returncode, leftovers)

@@ -18,6 +18,7 @@ from pathlib import Path
 from db.paths import default_db_url
 from trainer.config import RunConfig
 from trainer.launcher import descendants, spawn_torchrun, terminate_run
+from trainer.relay import Listener
 
 log = logging.getLogger("trainer.supervisor")
 
@@ -33,19 +34,23 @@ def main(argv: list[str] | None = None) -> int:
     db_url = default_db_url()
     # torchrun first, the database after: every import before this line is launch latency.
     cfg = RunConfig.from_json((args.run_dir / "config.json").read_text())
-    proc = spawn_torchrun(cfg, args.run_dir, args.run_id, db_url)
+    listener = Listener()  # the ranks' metrics come here (trainer/relay.py); they queue until accepted
+    proc = spawn_torchrun(cfg, args.run_dir, args.run_id, db_url, listener.env())
     from sqlalchemy.orm import Session
 
     from db.engine import make_engine
     from db.runs import add_event, finish_run
+    from trainer.relay_server import RelayServer
     from trainer.supervision import supervise
 
     engine = make_engine(db_url)
+    relay = RelayServer(engine, args.run_id, listener)
     try:
-        status = supervise(engine, args.run_id, args.run_dir, cfg, proc, stop_requested)
+        status = supervise(engine, args.run_id, args.run_dir, cfg, proc, stop_requested, relay)
     except Exception as exc:
         log.exception("supervisor failed")
         terminate_run(proc.pid, descendants(proc.pid))  # never leave training running unsupervised
+        relay.drain(timeout_s=5.0)
         with Session(engine) as s, s.begin():
             if finish_run(s, args.run_id, "failed", error=f"supervisor error on {socket.gethostname()}: {exc}"):
                 add_event(s, args.run_id, "failed", f"supervisor error: {exc}")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,16 +27,27 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from db.engine import make_engine
-from db.runs import create_run, find_run_by_key, finish_run, update_run
-from db.writer import MetricWriter, NullWriter
 from trainer.config import RunConfig
 from trainer.data import Data, keep_batch, load
 from trainer.faults import Fault, InjectedFault, parse_faults
 from trainer.models import build
+from trainer.relay import RelayClient, relay_from_env
 
 log = logging.getLogger("trainer")
 CHECKPOINT_NAME = "checkpoint.pt"
+
+
+class Writer(Protocol):
+    """Where a rank's metrics go: db.writer.MetricWriter (straight to the database) or
+    trainer.relay.RelayClient (through the supervisor that launched the run)."""
+
+    dropped: int
+
+    def log(self, step: int, values: dict[str, float], at: float | None = None) -> None: ...
+    def event(self, kind: str, message: str, detail: str = "") -> None: ...
+    def set_status(self, status: str) -> None: ...
+    def set_total_steps(self, total: int) -> None: ...
+    def close(self, status: str | None = None) -> None: ...
 
 
 # ---- process group ---------------------------------------------------------------------------
@@ -217,7 +228,7 @@ class Window:
 
 
 # ---- the loop --------------------------------------------------------------------------------
-def train(cfg: RunConfig, env: DistEnv, writer: MetricWriter | NullWriter, run_dir: Path, stop: StopFlag,
+def train(cfg: RunConfig, env: DistEnv, writer: Writer, run_dir: Path, stop: StopFlag,
           faults: list[Fault], checkpoint: dict[str, Any] | None = None) -> str:
     """Train until done or asked to stop; returns the rank's final status ("done" or "stopped")."""
     torch.manual_seed(cfg.seed)  # same seed on every rank: replicas start identical
@@ -354,10 +365,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def open_writer(args: argparse.Namespace, cfg: RunConfig, env: DistEnv, run_dir: Path,
+                resume_after_step: int | None) -> tuple[Writer, int, Any]:
+    """The rank's writer, its run id, and the engine when the rank writes the database itself.
+
+    Ranks the supervisor launched relay their metrics to it and never import SQLAlchemy; ranks
+    started by hand (or whose supervisor cannot be reached) write straight to the database."""
+    relay = relay_from_env()
+    if relay is not None and args.run_id is not None:
+        try:
+            client = RelayClient(*relay, env.rank, device=str(env.device), attempt=env.attempt,
+                                 resume_after_step=resume_after_step)
+            return client, int(args.run_id), None
+        except OSError as exc:
+            log.warning("metrics relay at %s unreachable (%s): writing to the database directly", relay[0], exc)
+    from db.writer import MetricWriter
+
+    if args.run_id is not None:
+        from db.engine import make_engine  # the launcher migrated the database already
+
+        engine = make_engine(args.db_url)
+    else:
+        from db.migrate import open_store  # Alembic: only a hand-started run may have to create the schema
+
+        engine = open_store(args.db_url)
+    run_id = resolve_run(engine, args, cfg, run_dir, env.world_size)
+    writer = MetricWriter(engine, run_id, env.rank, device=str(env.device), attempt=env.attempt,
+                          resume_after_step=resume_after_step)
+    return writer, run_id, engine
+
+
 def resolve_run(engine: Any, args: argparse.Namespace, cfg: RunConfig, run_dir: Path, world_size: int) -> int:
     """The launcher passes --run-id; a hand-started torchrun registers one run per rendezvous."""
     from sqlalchemy.exc import IntegrityError
     from sqlalchemy.orm import Session
+
+    from db.runs import create_run, find_run_by_key, update_run
 
     if args.run_id is not None:
         return int(args.run_id)
@@ -392,26 +435,18 @@ def main(argv: list[str] | None = None) -> int:
     faults = parse_faults()
     env = init_distributed(cfg)
     supervised = args.run_id is not None
-    # The launcher migrated the database already; a hand-started run may be the first to touch it.
-    if supervised:
-        engine = make_engine(args.db_url)
-    else:
-        from db.migrate import open_store  # Alembic: only a hand-started run may have to create the schema
-
-        engine = open_store(args.db_url)
-    run_id = resolve_run(engine, args, cfg, run_dir, env.world_size)
     checkpoint = read_checkpoint(run_dir / CHECKPOINT_NAME)
     resume_step = int(checkpoint["step"]) if checkpoint else 0
     resuming = env.attempt > 0 or resume_step > 0
-    writer = MetricWriter(engine, run_id, env.rank, device=str(env.device), attempt=env.attempt,
-                          resume_after_step=resume_step if resuming else None)
+    writer, run_id, engine = open_writer(args, cfg, env, run_dir, resume_step if resuming else None)
     if env.rank == 0:
         if resuming:
             writer.event("restart", f"attempt {env.attempt}: resuming from the checkpoint at step {resume_step}")
         else:
             backend = cfg.resolved_backend if env.distributed else "none"
             writer.event("started", f"{env.world_size} rank(s), backend {backend}")
-    log.info("run %s: %d rank(s) on %s, attempt %d", run_id, env.world_size, env.device, env.attempt)
+    log.info("run %s: %d rank(s) on %s, attempt %d, metrics %s", run_id, env.world_size, env.device, env.attempt,
+             "via the supervisor's relay" if engine is None else "written to the database directly")
     status = "failed"
     try:
         status = train(cfg, env, writer, run_dir, stop, faults, checkpoint)
@@ -437,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _finish_unsupervised(engine: Any, run_id: int, status: str) -> None:
     from sqlalchemy.orm import Session
+
+    from db.runs import finish_run
 
     final = {"done": "succeeded", "stopped": "stopped"}.get(status, "failed")
     with Session(engine) as s, s.begin():

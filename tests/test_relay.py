@@ -1,0 +1,155 @@
+"""The metrics relay: a rank's RelayClient → the supervisor's RelayServer → MetricWriter → database."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from db.queries import count_points, events, metric_series, rank_states
+from db.runs import get_run
+from tests.conftest import ROOT, make_run, wait_for
+from trainer.relay import Listener, RelayClient, recv_frame, relay_from_env, send_frame
+from trainer.relay_server import RelayServer
+
+
+@pytest.fixture
+def relay(engine: Engine) -> Iterator[tuple[RelayServer, int]]:
+    run_id = make_run(engine)
+    server = RelayServer(engine, run_id, Listener())
+    yield server, run_id
+    server.drain(timeout_s=5)
+
+
+def client(server: RelayServer, rank: int = 0, **kw: object) -> RelayClient:
+    return RelayClient(server.listener.address, server.listener.token, rank, **kw)  # type: ignore[arg-type]
+
+
+def test_everything_a_rank_sends_is_written_for_that_rank(engine: Engine, relay: tuple[RelayServer, int]) -> None:
+    server, run_id = relay
+    c = client(server, rank=1, device="cpu", send_interval_s=0.05)
+    c.set_total_steps(500)
+    for step in range(1, 501):
+        c.log(step, {"loss": 1.0 / step, "lr": 0.1})
+    c.event("started", "2 rank(s)")
+    c.close(status="done")  # returns once the supervisor has written it all
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 1000
+        state = rank_states(s, run_id).iloc[0]
+        assert (state["rank"], state["status"], state["step"]) == (1, "done", 500)
+        assert (state["host"], state["pid"]) == (socket.gethostname(), os.getpid())  # the rank's, not the server's
+        assert get_run(s, run_id).total_steps == 500
+        assert list(events(s, run_id)["kind"]) == ["started"]
+        series = metric_series(s, run_id, "loss")
+        assert series["value"].min() == pytest.approx(1 / 500)
+
+
+def test_the_first_point_arrives_at_once(engine: Engine, relay: tuple[RelayServer, int]) -> None:
+    server, run_id = relay
+    c = client(server, send_interval_s=60)
+    c.log(1, {"loss": 2.0})
+    wait_for(lambda: _points(engine, run_id) == 1, 5, every=0.02)
+    c.close()
+
+
+def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
+    engine: Engine, relay: tuple[RelayServer, int]
+) -> None:
+    server, run_id = relay
+    host, port = server.listener.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    send_frame(sock, ("hello", server.listener.token, 0, "cpu", 0, None, 4242, "node-a"))
+    send_frame(sock, ("batch", [(1, time.time(), {"loss": 1.0})], [], None, None, 1))
+    heard = time.time()
+    time.sleep(2.5)  # silent, like a frozen process: the writer flushes, the heartbeat must not move
+    with Session(engine) as s:
+        state = rank_states(s, run_id).iloc[0]
+    assert state["heartbeat_at"] <= heard + 0.5
+    assert (state["host"], state["pid"]) == ("node-a", 4242)
+    sock.close()
+
+
+def test_a_rank_that_dies_without_closing_keeps_what_it_sent(engine: Engine, relay: tuple[RelayServer, int]) -> None:
+    server, run_id = relay
+    code = (
+        "import sys; from trainer.relay import RelayClient\n"
+        "c = RelayClient(sys.argv[1], sys.argv[2], 0, send_interval_s=0.05)\n"
+        "[c.log(i, {'loss': float(i)}) for i in range(1, 101)]\n"
+        "import time; time.sleep(0.5)\n"
+        "import os; os._exit(1)\n"  # no close(): killed mid-run
+    )
+    subprocess.run([sys.executable, "-c", code, server.listener.address, server.listener.token], cwd=ROOT, check=False,
+                   timeout=60)
+    server.drain(timeout_s=10)
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 100
+        assert rank_states(s, run_id).iloc[0]["status"] == "running"  # the supervisor judges the outcome
+
+
+def test_a_connection_without_the_token_is_refused(engine: Engine, relay: tuple[RelayServer, int]) -> None:
+    server, run_id = relay
+    c = RelayClient(server.listener.address, "not-the-token", 0, send_interval_s=0.05)
+    c.log(1, {"loss": 1.0})
+    c.close()  # never raises into training: the refusal is logged and the metrics dropped
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 0
+        assert rank_states(s, run_id).empty
+
+
+def test_a_restarted_rank_replaces_what_the_failed_attempt_wrote_after_the_checkpoint(
+    engine: Engine, relay: tuple[RelayServer, int]
+) -> None:
+    server, run_id = relay
+    first = client(server, send_interval_s=0.05)
+    for step in range(1, 31):
+        first.log(step, {"loss": float(step)})
+    first._send_batch()
+    first._sock.close()  # the attempt is killed: no goodbye
+    second = client(server, attempt=1, resume_after_step=20, send_interval_s=0.05)
+    for step in range(21, 41):
+        second.log(step, {"loss": -float(step)})
+    second.close(status="done")
+    with Session(engine) as s:
+        frame = metric_series(s, run_id, "loss", max_points=100)
+        state = rank_states(s, run_id).iloc[0]
+    assert sorted(frame["step"]) == list(range(1, 41))  # each step once
+    assert (frame[frame["step"] > 20]["value"] < 0).all()  # and after the checkpoint, the new attempt's
+    assert state["attempt"] == 1
+
+
+def test_a_rank_keeps_training_when_the_supervisor_is_gone(engine: Engine) -> None:
+    listener = Listener()
+    c = RelayClient(listener.address, listener.token, 0, send_interval_s=0.01)
+    listener.close()  # accepted by the backlog, never served
+    for step in range(1, 2001):
+        c.log(step, {"loss": 1.0})
+    c.close()
+    assert c.dropped > 0
+
+
+def test_ranks_find_the_relay_in_their_environment() -> None:
+    listener = Listener()
+    assert relay_from_env(listener.env()) == (listener.address, listener.token)
+    assert relay_from_env({}) is None
+    listener.close()
+
+
+def test_malformed_frames_are_rejected() -> None:
+    a, b = socket.socketpair()
+    a.sendall(b"\x00\x00\x00\x01N")  # marshal of None: not a tuple
+    with pytest.raises(Exception, match="malformed"):
+        recv_frame(b)
+    a.close()
+    b.close()
+
+
+def _points(engine: Engine, run_id: int) -> int:
+    with Session(engine) as s:
+        return count_points(s, run_id)
