@@ -40,12 +40,23 @@ def describe(name: str, values: list[float], unit: str = "") -> str:
 
 
 def interleaved(variants: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Run every variant once per round, rounds repeated: drift on a noisy machine hits all alike."""
+    """Run every variant once per round, rounds repeated, the order reversed every other round
+    (A B C, C B A, …): drift on a noisy machine hits all alike, and no variant always goes first."""
     out: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            out[name].append(fn())
+    order = list(variants)
+    for round_no in range(repeats):
+        for name in order if round_no % 2 == 0 else reversed(order):
+            out[name].append(variants[name]())
     return out
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The middle half of repeated measurements (25th and 75th percentiles): the spread that counts
+    when a few rounds land on a burst of the host's noise."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def ratios(numerator: list[float], denominator: list[float]) -> list[float]:

@@ -79,6 +79,14 @@ def make_sink(kind: str, workdir: Path, rank: int, run_id: int | None, db_url: s
     raise SystemExit(f"unknown logger {kind}")
 
 
+def thread_cpu(sink: Sink) -> float:
+    """CPU seconds of the sink's background thread so far (ddpdash's sender or writer), 0 without one."""
+    thread = getattr(sink, "_thread", None)
+    if thread is None or thread.ident is None or not thread.is_alive():
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--logger", default="none")
@@ -104,12 +112,12 @@ def main() -> None:
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=0, drop_last=True)
     loader = DataLoader(data.train, batch_size=32, sampler=sampler, drop_last=True, collate_fn=keep_batch)
     sink = make_sink(args.logger, workdir, rank, args.run_id, args.db_url)
-    step, epoch, start = 0, 0, 0.0
+    step, epoch, start, log_s, thread_start = 0, 0, 0.0, 0.0, 0.0
     while step < args.steps + args.warmup:
         sampler.set_epoch(epoch)
         for x, y, _ in loader:
             if step == args.warmup:
-                start = time.perf_counter()
+                start, log_s, thread_start = time.perf_counter(), 0.0, thread_cpu(sink)
             t0 = time.perf_counter()
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
             opt.zero_grad(set_to_none=True)
@@ -117,16 +125,20 @@ def main() -> None:
             opt.step()
             step += 1
             values = {"loss": loss.item(), "samples_per_s": 32 / (time.perf_counter() - t0), "lr": 0.05}
+            t_log = time.perf_counter()
             sink.log(step, values)
+            log_s += time.perf_counter() - t_log
             if step >= args.steps + args.warmup:
                 break
         epoch += 1
     elapsed = time.perf_counter() - start
+    thread_s = thread_cpu(sink) - thread_start
     sink.close()  # flushing what is left is part of the cost
     elapsed_with_close = time.perf_counter() - start
     if rank == 0:
         Path(args.out).write_text(json.dumps({"elapsed": elapsed, "elapsed_with_close": elapsed_with_close,
-                                              "steps": args.steps, "warmup": args.warmup}))
+                                              "steps": args.steps, "warmup": args.warmup,
+                                              "log_s": log_s, "thread_s": thread_s}))
     del ddp, model, opt, loss
     gc.collect()  # release DDP before tearing the group down (NOTES: SIGABRT at exit otherwise)
     if distributed:

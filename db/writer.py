@@ -6,20 +6,19 @@ buckets it is still filling in memory and rewrites just those on each flush.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from itertools import repeat
 
 from sqlalchemy import Connection, Engine, Table, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from db.buffer import EventRow, LogBuffer, LogRow
 from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup, RankState, Run, RunEvent
 from db.rollup import Bucket, as_sorted_arrays, roll_up
 
@@ -33,19 +32,10 @@ _DELETE_ROLLUPS_FROM = delete(MetricRollup).where(
     MetricRollup.width == bindparam("w"), MetricRollup.bucket >= bindparam("b"),
 )
 FLUSH_INTERVAL_S = 1.0
-MAX_BUFFERED_LOGS = 200_000  # log() calls held in memory at most; the oldest are dropped past it
 CLOSE_DEADLINE_S = 30.0
 
 
-@dataclass
-class _Pending:
-    logs: collections.deque[tuple[int, float, Mapping[str, float]]] = field(
-        default_factory=lambda: collections.deque(maxlen=MAX_BUFFERED_LOGS)
-    )
-    events: collections.deque[dict[str, object]] = field(default_factory=collections.deque)
-
-
-class MetricWriter:
+class MetricWriter(LogBuffer):
     """Buffered writer for one rank of one run. Never raises into, or blocks, the training step."""
 
     def __init__(
@@ -64,45 +54,18 @@ class MetricWriter:
         """When the supervisor writes for a rank (trainer/relay_server.py), `process` is the rank's
         (host, pid) and `alive_at` the time it last heard from it; by default this process, and
         the time of each flush."""
+        super().__init__(rank, status="running")
         self.engine = engine
         self.alive_at = alive_at
         self.run_id = run_id
-        self.rank = rank
         self.flush_interval_s = flush_interval_s
-        self.dropped = 0
-        self.logged_points = 0
         self.written_points = 0
-        self._pending = _Pending()
         self._open: dict[tuple[str, int], Bucket] = {}  # (metric, width) -> the bucket still filling
-        self._status = "running"
         self._run_values: dict[str, object] = {}
-        self._step = 0
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # the first point is flushed at once: the run shows up live sooner
         self._flush_lock = threading.Lock()
         self._register(device, attempt, resume_after_step, process or (socket.gethostname(), os.getpid()))
         self._thread = threading.Thread(target=self._run, name=f"ddpdash-writer-r{rank}", daemon=True)
         self._thread.start()
-
-    # ---- hot path --------------------------------------------------------------------------
-    def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
-        """Queue one step's values (plain floats), stamped now or `at` (imports); returns at once."""
-        if len(self._pending.logs) == MAX_BUFFERED_LOGS:
-            self.dropped += 1
-        self._pending.logs.append((step, time.time() if at is None else at, values))
-        if not self.logged_points:
-            self._wake.set()
-        self.logged_points += len(values)
-        self._step = step
-
-    def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
-        self._pending.events.append(
-            {"run_id": self.run_id, "time": time.time() if at is None else at, "kind": kind, "rank": self.rank,
-             "message": message, "detail": detail}
-        )
-
-    def set_status(self, status: str) -> None:
-        self._status = status
 
     def set_total_steps(self, total: int) -> None:
         """Rank 0 tells the run how many steps it will take (for progress and ETA)."""
@@ -114,11 +77,7 @@ class MetricWriter:
 
     def close(self, status: str | None = None) -> None:
         """Stop the thread and write everything left, retrying a busy database for a while."""
-        if status:
-            self._status = status
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
+        self._halt(status)
         deadline = time.monotonic() + CLOSE_DEADLINE_S
         while True:
             try:
@@ -145,26 +104,15 @@ class MetricWriter:
                 log.warning("rank %d: metric flush failed (%s); retrying", self.rank, exc)
                 backoff = min(backoff * 2, 10.0)
 
-    def _take(self) -> tuple[list[tuple[int, float, Mapping[str, float]]], list[dict[str, object]]]:
-        logs, events = [], []
-        pending = self._pending
-        while pending.logs:
-            logs.append(pending.logs.popleft())
-        while pending.events:
-            events.append(pending.events.popleft())
-        return logs, events
-
     def _flush_once(self) -> None:
         logs, events = self._take()
         try:
             self._write(logs, events)
         except Exception:
-            # Put the batch back in front so nothing is lost; the next flush retries it.
-            self._pending.logs.extendleft(reversed(logs))
-            self._pending.events.extendleft(reversed(events))
+            self._put_back(logs, events)  # nothing is lost: the next flush retries it
             raise
 
-    def _write(self, logs: list[tuple[int, float, Mapping[str, float]]], events: list[dict[str, object]]) -> None:
+    def _write(self, logs: list[LogRow], events: list[EventRow]) -> None:
         run_id, rank = self.run_id, self.rank
         points, series = _columns(run_id, rank, logs)
         rollups, rewrite_from = self._roll_up(series)
@@ -179,7 +127,10 @@ class MetricWriter:
                 ])
                 insert_many(conn, MetricRollup.__table__, ROLLUP_COLUMNS, rollups)
             if events:
-                conn.execute(insert(RunEvent), events)
+                conn.execute(insert(RunEvent), [
+                    {"run_id": run_id, "time": at, "kind": kind, "rank": rank, "message": message, "detail": detail}
+                    for kind, message, detail, at in events
+                ])
             if self._run_values:
                 conn.execute(update(Run).where(Run.id == run_id).values(**self._run_values))
                 self._run_values = {}
@@ -248,7 +199,7 @@ class MetricWriter:
 
 
 def _columns(
-    run_id: int, rank: int, logs: list[tuple[int, float, Mapping[str, float]]]
+    run_id: int, rank: int, logs: list[LogRow]
 ) -> tuple[list[tuple[object, ...]], dict[str, tuple[list[int], list[float], list[float]]]]:
     """Point rows and per-metric (steps, values, times). Steps logging the same metrics — the usual
     case — take a column-wise path that builds the rows in C (zip), not one Python loop per point."""
@@ -273,30 +224,6 @@ def _columns(
             per[1].append(value)
             per[2].append(t)
     return points, series
-
-
-class NullWriter:
-    """Stands in for MetricWriter where nothing must be written (tests, benchmarks)."""
-
-    dropped = 0
-
-    def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
-        pass
-
-    def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
-        pass
-
-    def set_status(self, status: str) -> None:
-        pass
-
-    def set_total_steps(self, total: int) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self, status: str | None = None) -> None:
-        pass
 
 
 _INSERT_SQL: dict[tuple[str, str], tuple[str, bool]] = {}

@@ -16,7 +16,6 @@ answered with ("ok",) once written. marshal cannot run code; the token keeps oth
 
 from __future__ import annotations
 
-import collections
 import logging
 import marshal
 import os
@@ -24,16 +23,16 @@ import secrets
 import socket
 import struct
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
+
+from db.buffer import LogBuffer
 
 log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "DDPDASH_RELAY"  # host:port of the supervisor's relay, set only for ranks it launched
 TOKEN_ENV = "DDPDASH_RELAY_TOKEN"
 SEND_INTERVAL_S = 0.5  # also the heartbeat: the supervisor stamps the rank alive on every frame
-MAX_BUFFERED_LOGS = 200_000  # log() calls held at most while the supervisor is unreachable
 ACK_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct("!I")
 
@@ -101,7 +100,7 @@ def relay_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str] | No
 
 
 # ---- the rank's end --------------------------------------------------------------------------
-class RelayClient:
+class RelayClient(LogBuffer):
     """MetricWriter's interface for a rank whose supervisor writes the database. Never raises into,
     or blocks, the training step; close() returns once the supervisor has written everything."""
 
@@ -116,20 +115,11 @@ class RelayClient:
         resume_after_step: int | None = None,
         send_interval_s: float = SEND_INTERVAL_S,
     ) -> None:
-        self.rank = rank
-        self.dropped = 0
-        self.logged_points = 0
+        super().__init__(rank, status=None)
         self.send_interval_s = send_interval_s
-        self._logs: collections.deque[tuple[int, float, Mapping[str, float]]] = collections.deque(
-            maxlen=MAX_BUFFERED_LOGS)
-        self._events: collections.deque[tuple[str, str, str, float]] = collections.deque()
-        self._status: str | None = None
         self._total: int | None = None
-        self._step = 0
         self._send_lock = threading.Lock()
         self._broken = False
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # the first point goes at once: the run shows up live sooner
         host, port = address.rsplit(":", 1)
         self._sock = socket.create_connection((host, int(port)), timeout=ACK_TIMEOUT_S)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -137,23 +127,6 @@ class RelayClient:
                                 socket.gethostname()))
         self._thread = threading.Thread(target=self._run, name=f"ddpdash-relay-r{rank}", daemon=True)
         self._thread.start()
-
-    # ---- hot path (the same contract as MetricWriter) ----------------------------------------
-    def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
-        if len(self._logs) == MAX_BUFFERED_LOGS:
-            self.dropped += 1
-        self._logs.append((step, time.time() if at is None else at, values))
-        if not self.logged_points:
-            self._wake.set()
-        self.logged_points += len(values)
-        self._step = step
-
-    def event(self, kind: str, message: str, detail: str = "") -> None:
-        self._events.append((kind, message, detail, time.time()))
-        self._wake.set()  # rare and worth seeing at once (a failure, a restart)
-
-    def set_status(self, status: str) -> None:
-        self._status = status
 
     def set_total_steps(self, total: int) -> None:
         self._total = total
@@ -163,11 +136,7 @@ class RelayClient:
         self._request(("flush",))
 
     def close(self, status: str | None = None) -> None:
-        if status:
-            self._status = status
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
+        self._halt(status)
         self._request(("close", self._status))
         self._sock.close()
 
@@ -181,8 +150,7 @@ class RelayClient:
             self._send_batch()
 
     def _send_batch(self) -> bool:
-        logs = _drain(self._logs)
-        events = _drain(self._events)
+        logs, events = self._take()
         with self._send_lock:
             if self._broken:
                 self.dropped += len(logs)
@@ -219,9 +187,3 @@ class RelayClient:
         self.dropped += lost
         log.warning("rank %d: metrics relay lost (%s); later metrics are dropped", self.rank, exc)
 
-
-def _drain(queue: collections.deque[Any]) -> list[Any]:
-    out = []
-    while queue:
-        out.append(queue.popleft())
-    return out

@@ -1,0 +1,70 @@
+"""The training-step side shared by both metric paths: db.writer.MetricWriter (writes the database
+from a thread) and trainer.relay.RelayClient (sends to the supervisor). Standard library only: a rank
+that relays imports this and never SQLAlchemy."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Mapping
+
+MAX_BUFFERED_LOGS = 200_000  # log() calls held in memory at most; the oldest are dropped past it
+
+LogRow = tuple[int, float, Mapping[str, float]]  # (step, time, values)
+EventRow = tuple[str, str, str, float]  # (kind, message, detail, time)
+
+
+class LogBuffer:
+    """`log()` is an append that returns at once; a background thread takes what piled up."""
+
+    def __init__(self, rank: int, status: str | None) -> None:
+        self.rank = rank
+        self.dropped = 0
+        self.logged_points = 0
+        self._logs: collections.deque[LogRow] = collections.deque(maxlen=MAX_BUFFERED_LOGS)
+        self._events: collections.deque[EventRow] = collections.deque()
+        self._status = status
+        self._step = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # the first point goes at once: the run shows up live sooner
+
+    def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
+        """Queue one step's values (plain floats), stamped now or `at` (imports, the relay)."""
+        if len(self._logs) == MAX_BUFFERED_LOGS:
+            self.dropped += 1
+        self._logs.append((step, time.time() if at is None else at, values))
+        if not self.logged_points:
+            self._wake.set()
+        self.logged_points += len(values)
+        self._step = step
+
+    def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
+        self._events.append((kind, message, detail, time.time() if at is None else at))
+        self._wake.set()  # rare, and worth seeing at once (a failure, a restart)
+
+    def set_status(self, status: str) -> None:
+        self._status = status
+
+    def _halt(self, status: str | None) -> None:
+        """Stop the background thread (the subclass's `_thread`); the caller writes what is left."""
+        if status:
+            self._status = status
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()  # type: ignore[attr-defined]
+
+    def _take(self) -> tuple[list[LogRow], list[EventRow]]:
+        return _drain(self._logs), _drain(self._events)
+
+    def _put_back(self, logs: list[LogRow], events: list[EventRow]) -> None:
+        """A batch that could not be written goes back in front, to be retried."""
+        self._logs.extendleft(reversed(logs))
+        self._events.extendleft(reversed(events))
+
+
+def _drain(queue: collections.deque[LogRow] | collections.deque[EventRow]) -> list:  # type: ignore[type-arg]
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out
