@@ -89,3 +89,41 @@ def run_main(doc: str | None, sizes: dict[str, tuple[int, ...]],
     """A benchmark's command line: pick the sizes for the mode, measure, print one line per target."""
     args = parser(doc or "").parse_args()
     print_results(measure(*sizes[mode(args)]))
+
+
+class Store:
+    """The database a ddpdash loop writes, its run, and (relay=True) the relay the ranks send to."""
+
+    def __init__(self, work: Path, relay: bool) -> None:
+        from sqlalchemy.orm import Session
+
+        from db.migrate import open_store
+        from db.runs import create_run
+        from trainer.relay import Listener
+        from trainer.relay_server import RelayServer
+
+        self.url = f"sqlite:///{work / 'ddpdash.db'}"
+        self.engine = open_store(self.url)
+        with Session(self.engine) as s, s.begin():
+            self.run_id = create_run(s, key=f"bench-{work.name}", name="bench", config_json="{}", world_size=1)
+        self.env: dict[str, str] = {}
+        self.server = None
+        if relay:
+            listener = Listener()
+            self.server = RelayServer(self.engine, self.run_id, listener)
+            self.env = listener.env()
+
+    def check_complete(self, expected: int) -> None:
+        """Every logged point is in the database: a fast writer that loses points would be no writer."""
+        from sqlalchemy import func, select
+        from sqlalchemy.orm import Session
+
+        from db.models import MetricPoint
+
+        if self.server is not None:
+            self.server.drain()
+        with Session(self.engine) as s:
+            stored = s.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.run_id == self.run_id))
+        self.engine.dispose()
+        if stored != expected:
+            raise SystemExit(f"ddpdash stored {stored} points, the loop logged {expected}")

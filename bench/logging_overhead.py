@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import ROOT, Result, describe, interleaved, quartiles, ratios, run_main
+from bench.common import ROOT, Result, Store, describe, interleaved, quartiles, ratios, run_main
 
 LOOP = ROOT / "bench" / "loop.py"
 BASELINE, CONTROL = "no logging", "no logging again (A/A control)"
@@ -60,44 +60,6 @@ def run_loop(logger: str, steps: int, ranks: int) -> dict[str, float]:
         # "elapsed" is the loop's own time: the writer's final flush at close() is a one-off at the end
         # of a run (reported by the loop, not per step), so it stays out of the per-step overhead.
         return {key: float(result[key]) for key in ("elapsed", "log_s", "thread_s")}
-
-
-class Store:
-    """The database a ddpdash loop writes, its run, and (relay=True) the relay the ranks send to."""
-
-    def __init__(self, work: Path, relay: bool) -> None:
-        from sqlalchemy.orm import Session
-
-        from db.migrate import open_store
-        from db.runs import create_run
-        from trainer.relay import Listener
-        from trainer.relay_server import RelayServer
-
-        self.url = f"sqlite:///{work / 'ddpdash.db'}"
-        self.engine = open_store(self.url)
-        with Session(self.engine) as s, s.begin():
-            self.run_id = create_run(s, key=f"bench-{work.name}", name="bench", config_json="{}", world_size=1)
-        self.env: dict[str, str] = {}
-        self.server = None
-        if relay:
-            listener = Listener()
-            self.server = RelayServer(self.engine, self.run_id, listener)
-            self.env = listener.env()
-
-    def check_complete(self, expected: int) -> None:
-        """Every logged point is in the database: a fast writer that loses points would be no writer."""
-        from sqlalchemy import func, select
-        from sqlalchemy.orm import Session
-
-        from db.models import MetricPoint
-
-        if self.server is not None:
-            self.server.drain()
-        with Session(self.engine) as s:
-            stored = s.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.run_id == self.run_id))
-        self.engine.dispose()
-        if stored != expected:
-            raise SystemExit(f"ddpdash stored {stored} points, the loop logged {expected}")
 
 
 def compare(variants: list[str], steps: int, repeats: int, ranks: int) -> dict[str, list[dict[str, float]]]:

@@ -1,4 +1,4 @@
-"""Target 5 — trainer vs plain DDP: ddpdash's trainer (metrics to the database every step) against
+"""Target 5 — trainer vs plain DDP: ddpdash's trainer (metrics every step, relayed as in a launched run) against
 bench/plain_ddp.py (same MLP on digits, batch, world size, steps) under torchrun, 2 gloo ranks, runs
 interleaved. Samples/s are taken between the same two steps in both. Target ≥ 0.98×.
 
@@ -18,8 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from bench.common import ROOT, Result, describe, interleaved, median_spread, ratios, run_main
-from db.migrate import open_store
+from bench.common import ROOT, Result, Store, describe, interleaved, median_spread, ratios, run_main
 from db.models import MetricPoint
 from trainer.config import RunConfig
 
@@ -43,17 +42,22 @@ def plain(steps: int) -> float:
 
 
 def ddpdash(steps: int, **changes: object) -> float:
+    """The trainer as ddpdash runs it: its ranks relay their metrics to a writer in another process
+    (here this one, idle otherwise, standing in for the supervisor)."""
     cfg = RunConfig(name="bench", model="mlp", width=WIDTH, depth=2, batch_size=BATCH, max_steps=steps,
                     log_every=1, checkpoint_every=0, sync_check_every=0, num_procs=2).replace(**changes)
     with tempfile.TemporaryDirectory() as work:
         (Path(work) / "config.json").write_text(cfg.to_json())
-        url = f"sqlite:///{work}/bench.db"
-        torchrun("-m", "trainer", "--config", f"{work}/config.json", env={"DDPDASH_DB_URL": url})
-        engine = open_store(url)
-        with Session(engine) as s:
+        store = Store(Path(work), relay=True)
+        torchrun("-m", "trainer", "--config", f"{work}/config.json", "--run-id", str(store.run_id), "--db-url",
+                 store.url, env=store.env)
+        assert store.server is not None
+        store.server.drain()
+        with Session(store.engine) as s:
             stamps = dict(s.execute(select(MetricPoint.step, MetricPoint.time).where(
-                MetricPoint.rank == 0, MetricPoint.name == "loss", MetricPoint.step.in_((WARMUP, steps)))).all())
-        engine.dispose()
+                MetricPoint.run_id == store.run_id, MetricPoint.rank == 0, MetricPoint.name == "loss",
+                MetricPoint.step.in_((WARMUP, steps)))).all())
+        store.engine.dispose()
         return (steps - WARMUP) * BATCH * 2 / (stamps[steps] - stamps[WARMUP])
 
 
