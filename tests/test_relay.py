@@ -51,6 +51,22 @@ def test_everything_a_rank_sends_is_written_for_that_rank(engine: Engine, relay:
         assert series["value"].min() == pytest.approx(1 / 500)
 
 
+def test_numpy_scalars_are_sent_as_floats_and_non_numbers_dropped(
+    engine: Engine, relay: tuple[RelayServer, int]
+) -> None:
+    import numpy as np
+
+    server, run_id = relay
+    c = client(server, send_interval_s=0.05)
+    c.log(1, {"loss": np.float32(0.5), "acc": np.float64(0.25)})  # type: ignore[dict-item]
+    c.log(2, {"loss": 0.4, "note": "n/a"})  # type: ignore[dict-item]  # not a number: dropped, loss kept
+    c.close()
+    assert c.dropped == 0
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 3
+        assert metric_series(s, run_id, "loss")["value"].tolist() == [0.5, pytest.approx(0.4)]
+
+
 def test_the_first_point_arrives_at_once(engine: Engine, relay: tuple[RelayServer, int]) -> None:
     server, run_id = relay
     c = client(server, send_interval_s=60)
