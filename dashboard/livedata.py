@@ -17,6 +17,8 @@ from db.runs import RunInfo
 LIVE_METRICS = ("loss", "samples_per_s", "tokens_per_s", "step_time", "data_time", "val_loss", "val_acc")
 STALE_HEARTBEAT_S = 15.0
 STRAGGLER_RATIO = 1.5
+STALLED_MIN_S = 60.0  # a rank whose points stop for this long and for
+STALLED_INTERVALS = 10  # this many of its usual intervals between points has stopped stepping
 
 
 @dataclass
@@ -92,9 +94,26 @@ def _last_per_rank(df: pd.DataFrame) -> pd.Series:
     return df.sort_values("step").groupby("rank")["value"].last()
 
 
+def _quiet_per_rank(df: pd.DataFrame, now: float) -> dict[int, tuple[float, float]]:
+    """Per rank: seconds since its newest point, and its usual interval between points (over the run)."""
+    out: dict[int, tuple[float, float]] = {}
+    for rank, points in df.groupby("rank"):
+        count = int(points["count"].sum())
+        if count < 3:
+            continue  # too few points to know its pace
+        first, last = float(points["time"].min()), float(points["time"].max())
+        out[int(rank)] = (now - last, (last - first) / (count - 1))
+    return out
+
+
+def stalled(quiet: tuple[float, float] | None) -> bool:
+    return quiet is not None and quiet[0] > max(STALLED_MIN_S, STALLED_INTERVALS * quiet[1])
+
+
 def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: float | None = None) -> pd.DataFrame:
-    """One row per rank with a plain-words flag for stale heartbeats and stragglers."""
+    """One row per rank with a plain-words flag for stale heartbeats, stalled ranks and stragglers."""
     now = now or time.time()
+    quiet = _quiet_per_rank(cache.get("loss"), now)
     loss = _last_per_rank(cache.get("loss"))
     speed = _last_per_rank(cache.get("samples_per_s"))
     step_time = _last_per_rank(cache.get("step_time"))
@@ -107,17 +126,24 @@ def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: floa
             "loss": loss.get(rank), "samples/s": speed.get(rank), "step time (s)": step_time.get(rank),
             "heartbeat age (s)": round(age, 1) if age is not None else None,
             "host": st_row.host, "device": st_row.device,
-            "flag": rank_flag(run, st_row.status, age, step_time, rank),
+            "flag": rank_flag(run, st_row.status, age, step_time, rank, quiet.get(rank)),
         })
     return pd.DataFrame(rows, columns=["rank", "status", "step", "loss", "samples/s", "step time (s)",
                                        "heartbeat age (s)", "host", "device", "flag"])
 
 
-def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, step_times: pd.Series, rank: int) -> str:
+def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, step_times: pd.Series, rank: int,
+              quiet: tuple[float, float] | None = None) -> str:
+    """The heartbeat says the process is alive (its metrics thread still talks); steps say it works:
+    a rank stuck in a collective keeps its heartbeat and stops stepping."""
     if not run.is_active or status != "running":
         return ""
     if heartbeat_age is not None and heartbeat_age > STALE_HEARTBEAT_S:
-        return f"no heartbeat for {heartbeat_age:.0f} s: hung (a collective waiting on a peer?) or dead"
+        return f"no heartbeat for {heartbeat_age:.0f} s: the process is frozen or dead"
+    if stalled(quiet):
+        assert quiet is not None
+        return (f"no new step for {quiet[0]:.0f} s (it logs every {quiet[1]:.1f} s): hung — a collective "
+                "waiting on a peer, a deadlock — or in a long pause (evaluation, checkpoint)")
     if rank in step_times.index and len(step_times) > 1:
         others = step_times.drop(rank)
         ratio = step_times[rank] / max(float(others.median()), 1e-12)

@@ -39,10 +39,34 @@ def test_progress_uses_the_slowest_rank_and_estimates_eta() -> None:
     assert prog.text().startswith("20/100 steps")
 
 
-def test_stale_heartbeat_is_flagged_as_a_possible_hang() -> None:
+def test_stale_heartbeat_is_flagged_as_a_frozen_or_dead_process() -> None:
     now = time.time()
     table = livedata.rank_table(run_info(), states([5, 5, 5], [now, now - 40, now]), cache_with([0.1] * 3), now)
-    assert "no heartbeat for 40 s" in table.loc[1, "flag"] and table.loc[0, "flag"] == ""
+    assert table.loc[1, "flag"] == "no heartbeat for 40 s: the process is frozen or dead"
+    assert table.loc[0, "flag"] == ""
+
+
+def test_a_rank_that_stops_stepping_is_flagged_though_its_heartbeat_is_fresh() -> None:
+    now = time.time()
+    cache = cache_with([0.1] * 3)
+    # Every rank logged a point a second for 100 s; rank 2's points stopped 90 s ago (stuck in a collective).
+    rows = [{"rank": r, "step": i, "value": 1.0, "vmin": 1.0, "vmax": 1.0, "count": 1,
+             "time": now - 100 + i}
+            for r in range(3) for i in range(100) if not (r == 2 and i > 10)]
+    cache.frames["loss"] = pd.DataFrame(rows)
+    table = livedata.rank_table(run_info(), states([99, 99, 10], [now] * 3), cache, now)
+    assert table.loc[2, "flag"].startswith("no new step for 90 s") and "hung" in table.loc[2, "flag"]
+    assert table.loc[0, "flag"] == "" and table.loc[1, "flag"] == ""
+
+
+def test_a_slow_but_steady_rank_is_not_called_stalled() -> None:
+    now = time.time()
+    cache = cache_with([0.1] * 3)
+    # One point every 30 s: 70 s of quiet is two intervals and a bit, not a hang.
+    cache.frames["loss"] = pd.DataFrame([{"rank": 0, "step": i, "value": 1.0, "vmin": 1.0, "vmax": 1.0, "count": 1,
+                                          "time": now - 70 - 30 * (5 - i)} for i in range(6)])
+    table = livedata.rank_table(run_info(), states([5, 5, 5], [now] * 3), cache, now)
+    assert table.loc[0, "flag"] == ""
 
 
 def test_slow_rank_is_flagged_as_a_straggler() -> None:
