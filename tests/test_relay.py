@@ -83,11 +83,13 @@ def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
     sock = socket.create_connection((host, int(port)))
     send_frame(sock, ("hello", server.listener.token, 0, "cpu", 0, None, 4242, "node-a"))
     send_frame(sock, ("batch", [(1, time.time(), {"loss": 1.0})], [], None, None, 1))
-    heard = time.time()
-    time.sleep(2.5)  # silent, like a frozen process: the writer flushes, the heartbeat must not move
+    wait_for(lambda: _points(engine, run_id) == 1, 10, every=0.02)
+    with Session(engine) as s:
+        heard = rank_states(s, run_id).iloc[0]["heartbeat_at"]
+    time.sleep(2.5)  # silent, like a frozen process: the writer flushes twice, the heartbeat must not move
     with Session(engine) as s:
         state = rank_states(s, run_id).iloc[0]
-    assert state["heartbeat_at"] <= heard + 0.5
+    assert state["heartbeat_at"] == heard and time.time() - heard >= 2.5
     assert (state["host"], state["pid"]) == ("node-a", 4242)
     sock.close()
 
@@ -98,7 +100,7 @@ def test_a_rank_that_dies_without_closing_keeps_what_it_sent(engine: Engine, rel
         "import sys; from trainer.relay import RelayClient\n"
         "c = RelayClient(sys.argv[1], sys.argv[2], 0, send_interval_s=0.05)\n"
         "[c.log(i, {'loss': float(i)}) for i in range(1, 101)]\n"
-        "import time; time.sleep(0.5)\n"
+        "c.flush()\n"  # sent and written: what follows is a death, not a race
         "import os; os._exit(1)\n"  # no close(): killed mid-run
     )
     subprocess.run([sys.executable, "-c", code, server.listener.address, server.listener.token], cwd=ROOT, check=False,
@@ -169,3 +171,28 @@ def test_malformed_frames_are_rejected() -> None:
 def _points(engine: Engine, run_id: int) -> int:
     with Session(engine) as s:
         return count_points(s, run_id)
+
+
+def test_a_busy_database_at_registration_is_retried_not_fatal(
+    engine: Engine, relay: tuple[RelayServer, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    import trainer.relay_server as relay_server
+
+    server, run_id = relay
+    real, calls = relay_server.MetricWriter, []
+
+    def busy_once(*args: object, **kw: object) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OperationalError("INSERT", {}, Exception("database is locked"))
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relay_server, "MetricWriter", busy_once)
+    c = client(server, send_interval_s=0.05)
+    c.log(1, {"loss": 1.0})
+    c.close(status="done")
+    assert len(calls) == 2 and c.dropped == 0
+    with Session(engine) as s:
+        assert count_points(s, run_id) == 1

@@ -11,11 +11,13 @@ import time
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 
 from db.writer import MetricWriter
 from trainer.relay import Listener, recv_frame, send_frame
 
 log = logging.getLogger("trainer.supervisor")
+REGISTER_DEADLINE_S = 60.0
 
 
 class RelayServer:
@@ -66,12 +68,26 @@ class RelayServer:
                 _, _, rank, device, attempt, resume_after_step, pid, host = hello
                 self._after_previous_attempt(int(rank))
                 heard = _LastHeard()
-                writer = MetricWriter(self.engine, self.run_id, int(rank), device=str(device), attempt=int(attempt),
-                                      resume_after_step=resume_after_step, alive_at=heard.at,
-                                      process=(str(host), int(pid)))
+                writer = self._writer_for(int(rank), str(device), int(attempt), resume_after_step, heard,
+                                          (str(host), int(pid)))
                 _feed(conn, writer, heard)
             except Exception:
                 log.exception("metrics relay: a rank's connection failed")
+
+    def _writer_for(self, rank: int, device: str, attempt: int, resume_after_step: int | None, heard: _LastHeard,
+                    process: tuple[str, int]) -> MetricWriter:
+        """The rank's writer; registering it retries a busy database for a while rather than lose the
+        rank's metrics for the whole run (its frames wait in the socket meanwhile)."""
+        deadline = time.monotonic() + REGISTER_DEADLINE_S
+        while True:
+            try:
+                return MetricWriter(self.engine, self.run_id, rank, device=device, attempt=attempt,
+                                    resume_after_step=resume_after_step, alive_at=heard.at, process=process)
+            except DBAPIError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("metrics relay: registering rank %d failed (%s); retrying", rank, exc)
+                time.sleep(0.5)
 
     def _after_previous_attempt(self, rank: int) -> None:
         """A restarted rank discards the steps after its checkpoint; the previous attempt's writer
