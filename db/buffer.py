@@ -46,13 +46,17 @@ class LogBuffer:
     def set_status(self, status: str) -> None:
         self._status = status
 
-    def _halt(self, status: str | None) -> None:
-        """Stop the background thread (the subclass's `_thread`); the caller writes what is left."""
+    def _halt(self, status: str | None) -> bool:
+        """Stop the background thread (the subclass's `_thread`); the caller writes what is left.
+        False when it was stopped already: closing twice writes once."""
         if status:
             self._status = status
+        if self._stop.is_set():
+            return False
         self._stop.set()
         self._wake.set()
         self._thread.join()  # type: ignore[attr-defined]
+        return True
 
     def _take(self) -> tuple[list[LogRow], list[EventRow]]:
         return _drain(self._logs), _drain(self._events)

@@ -77,7 +77,8 @@ class MetricWriter(LogBuffer):
 
     def close(self, status: str | None = None) -> None:
         """Stop the thread and write everything left, retrying a busy database for a while."""
-        self._halt(status)
+        if not self._halt(status):
+            return
         deadline = time.monotonic() + CLOSE_DEADLINE_S
         while True:
             try:

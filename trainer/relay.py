@@ -137,7 +137,8 @@ class RelayClient(LogBuffer):
         self._request(("flush",))
 
     def close(self, status: str | None = None) -> None:
-        self._halt(status)
+        if not self._halt(status):
+            return
         self._request(("close", self._status))
         self._sock.close()
 

@@ -70,7 +70,10 @@ class RelayServer:
                 heard = _LastHeard()
                 writer = self._writer_for(int(rank), str(device), int(attempt), resume_after_step, heard,
                                           (str(host), int(pid)))
-                _feed(conn, writer, heard)
+                try:
+                    _feed(conn, writer, heard)
+                finally:
+                    writer.close()  # however the connection ended, what came is written (once)
             except Exception:
                 log.exception("metrics relay: a rank's connection failed")
 
@@ -118,8 +121,7 @@ def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
     total: int | None = None
     while True:
         message = recv_frame(conn)
-        if message is None:  # the rank exited or died without saying goodbye: write what came
-            writer.close()
+        if message is None:  # the rank exited or died without saying goodbye: the caller writes what came
             return
         heard.time = time.time()
         kind = message[0]
