@@ -10,8 +10,10 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -39,10 +41,10 @@ def describe(name: str, values: list[float], unit: str = "") -> str:
     return f"{name}: median {med:.4g}{unit}, spread {spread:.3g}{unit} over {len(values)} runs"
 
 
-def interleaved(variants: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+def interleaved(variants: dict[str, Callable[[], T]], repeats: int) -> dict[str, list[T]]:
     """Run every variant once per round, rounds repeated, the order reversed every other round
     (A B C, C B A, …): drift on a noisy machine hits all alike, and no variant always goes first."""
-    out: dict[str, list[float]] = {name: [] for name in variants}
+    out: dict[str, list[T]] = {name: [] for name in variants}
     order = list(variants)
     for round_no in range(repeats):
         for name in order if round_no % 2 == 0 else reversed(order):

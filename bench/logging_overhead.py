@@ -65,7 +65,7 @@ def run_loop(logger: str, steps: int, ranks: int) -> dict[str, float]:
 def compare(variants: list[str], steps: int, repeats: int, ranks: int) -> dict[str, list[dict[str, float]]]:
     """Interleaved rounds; per-round ratios to the loop without logging, their median and middle half.
     The A/A control (the same no-logging loop again) shows how much of a ratio is this machine's noise."""
-    runs = interleaved({name: (lambda n=name: run_loop(n, steps, ranks)) for name in variants}, repeats)  # type: ignore[misc]
+    runs = interleaved({name: (lambda n=name: run_loop(n, steps, ranks)) for name in variants}, repeats)
     times = {name: [r["elapsed"] for r in results] for name, results in runs.items()}
     for name in variants:
         print("  " + describe(name, times[name], " s"))

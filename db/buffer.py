@@ -18,6 +18,8 @@ EventRow = tuple[str, str, str, float]  # (kind, message, detail, time)
 class LogBuffer:
     """`log()` is an append that returns at once; a background thread takes what piled up."""
 
+    _thread: threading.Thread  # the subclass's background thread
+
     def __init__(self, rank: int, status: str | None) -> None:
         self.rank = rank
         self.dropped = 0
@@ -55,7 +57,7 @@ class LogBuffer:
             return False
         self._stop.set()
         self._wake.set()
-        self._thread.join()  # type: ignore[attr-defined]
+        self._thread.join()
         return True
 
     def _take(self) -> tuple[list[LogRow], list[EventRow]]:

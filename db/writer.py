@@ -62,14 +62,17 @@ class MetricWriter(LogBuffer):
         self.written_points = 0
         self._open: dict[tuple[str, int], Bucket] = {}  # (metric, width) -> the bucket still filling
         self._run_values: dict[str, object] = {}
+        self._total_steps: int | None = None
         self._flush_lock = threading.Lock()
         self._register(device, attempt, resume_after_step, process or (socket.gethostname(), os.getpid()))
         self._thread = threading.Thread(target=self._run, name=f"ddpdash-writer-r{rank}", daemon=True)
         self._thread.start()
 
     def set_total_steps(self, total: int) -> None:
-        """Rank 0 tells the run how many steps it will take (for progress and ETA)."""
-        self._run_values["total_steps"] = total
+        """Rank 0 tells the run how many steps it will take (for progress and ETA); written once per change."""
+        if total != self._total_steps:
+            self._total_steps = total
+            self._run_values["total_steps"] = total
 
     def flush(self) -> None:
         with self._flush_lock:

@@ -10,7 +10,7 @@ supervisor's process. The rank never imports SQLAlchemy either, which takes it o
 This module is light on purpose (standard library only): every rank imports it.
 Frames: 4-byte big-endian length, then `marshal` of a tuple. The first frame is
 ("hello", token, rank, device, attempt, resume_after_step, pid, host); then ("batch", logs, events, status,
-total_steps, step) at least once per interval (the heartbeat); ("flush",) and ("close", status) are
+total_steps) at least once per interval (the heartbeat); ("flush",) and ("close", status) are
 answered with ("ok",) once written. marshal cannot run code; the token keeps other local users out.
 """
 
@@ -161,7 +161,7 @@ class RelayClient(LogBuffer):
                 # float() on every value: marshal would send a numpy scalar as its raw bytes, and refuse
                 # a tensor (≈ 0.4 µs a step, in this thread, not the training step).
                 logs = [(step, at, _as_floats(values)) for step, at, values in logs]
-                send_frame(self._sock, ("batch", logs, events, self._status, self._total, self._step))
+                send_frame(self._sock, ("batch", logs, events, self._status, self._total))
                 return True
             except (OSError, ValueError, TypeError) as exc:
                 self._give_up(exc, len(logs))

@@ -118,7 +118,6 @@ def _valid_hello(hello: tuple[Any, ...] | None, token: str) -> bool:
 
 
 def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
-    total: int | None = None
     while True:
         message = recv_frame(conn)
         if message is None:  # the rank exited or died without saying goodbye: the caller writes what came
@@ -126,15 +125,14 @@ def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
         heard.time = time.time()
         kind = message[0]
         if kind == "batch":
-            _, logs, events, status, new_total, _ = message
+            _, logs, events, status, total = message
             for step, at, values in logs:
                 writer.log(step, values, at=at)
             for event_kind, text, detail, at in events:
                 writer.event(event_kind, text, detail, at=at)
             if status:
                 writer.set_status(status)
-            if new_total is not None and new_total != total:
-                total = new_total
+            if total is not None:
                 writer.set_total_steps(total)
         elif kind == "flush":
             try:
