@@ -2,9 +2,19 @@
 
     python bench/loop.py --logger none|ddpdash|mlflow|tensorboard --steps N --out RESULT.json
                          [--run-id N --db-url URL]   (ddpdash; DDPDASH_RELAY set: through the relay)
+                         [--segment K]               (logging on and off every K steps, in one process)
     torchrun --standalone --nproc-per-node 2 bench/loop.py --logger ddpdash ...
 
 Every variant computes the same values (.item() included); only where they go differs.
+
+--segment K: the loop logs in alternate segments of K steps — on, off, off, on, on, off, off, on, … —
+and times each one. This machine's slowness comes in bursts of seconds, so neighbouring segments about
+ten milliseconds long see the same machine: their ratio is precise where two whole runs' is not.
+Segments group into quads (off, on, on, off) whose ratio is taken. So that a quad holds all of
+logging's cost, the sink's background thread (ddpdash's relay sender, or writer) no longer runs on its
+own timer: it is woken at the first logged segment of a quad, at the cadence its timer would have
+(about every 0.5 s of logged steps), and sends (or writes) what was logged since while the quad's two
+logged segments train; the supervisor writes it meanwhile. Each segment records whether it woke it.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from trainer.config import RunConfig
 from trainer.data import keep_batch, load
 from trainer.models import build
+from trainer.relay import SEND_INTERVAL_S
 from trainer.train import DistEnv, open_writer
 
 
@@ -79,6 +90,56 @@ def make_sink(kind: str, workdir: Path, rank: int, run_id: int | None, db_url: s
     raise SystemExit(f"unknown logger {kind}")
 
 
+class Segments:
+    """Segment mode's schedule and timings (see the module's docstring)."""
+
+    def __init__(self, steps_per_segment: int, step_s: float) -> None:
+        self.size = steps_per_segment
+        # Wake the sink once every `every` quads: a quad logs 2 segments, so this is its timer's cadence.
+        self.every = max(1, round(SEND_INTERVAL_S / (2 * steps_per_segment * step_s)))
+        self.times: list[tuple[bool, float, bool]] = []  # (logging, seconds, woke the sink)
+        self.start = time.perf_counter()
+        self.logging, self.woke = True, False
+
+    def boundary(self, sink: Sink) -> bool:
+        """Close the segment that ends here, open the next; whether the next one logs."""
+        now = time.perf_counter()
+        self.times.append((self.logging, now - self.start, self.woke))
+        self.start = now
+        index = len(self.times)
+        self.logging = index % 4 in (0, 3)
+        self.woke = index % 4 == 3 and (index // 4) % self.every == 0
+        if self.woke:
+            wake(sink)
+        return self.logging
+
+    def finish(self) -> None:
+        self.times.append((self.logging, time.perf_counter() - self.start, self.woke))
+
+
+def work_on_demand(sink: Sink) -> None:
+    """Segment mode: the sink's background thread no longer works on its timer, only when woken."""
+    for interval in ("send_interval_s", "flush_interval_s"):
+        if hasattr(sink, interval):
+            setattr(sink, interval, 3600.0)
+    wake(sink)  # the thread re-reads its interval once it has done this round
+
+
+def wake(sink: Sink) -> None:
+    event = getattr(sink, "_wake", None)
+    if event is not None:
+        event.set()
+
+
+def agreed_step_time(step_s: float) -> float:
+    """Rank 0's estimate, so that every rank wakes its sink in the same quads."""
+    if not dist.is_initialized():
+        return step_s
+    t = torch.tensor([step_s], dtype=torch.float64)
+    dist.broadcast(t, src=0)
+    return float(t.item())
+
+
 def thread_cpu(sink: Sink) -> float:
     """CPU seconds of the sink's background thread so far (ddpdash's sender or writer), 0 without one."""
     thread = getattr(sink, "_thread", None)
@@ -96,6 +157,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--run-id", type=int, help="ddpdash: the run the harness created")
     p.add_argument("--db-url", help="ddpdash: the harness's database")
+    p.add_argument("--segment", type=int, default=0, help="log in alternate segments of this many steps")
     args = p.parse_args()
     distributed = "RANK" in os.environ
     if distributed:
@@ -112,12 +174,23 @@ def main() -> None:
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=0, drop_last=True)
     loader = DataLoader(data.train, batch_size=32, sampler=sampler, drop_last=True, collate_fn=keep_batch)
     sink = make_sink(args.logger, workdir, rank, args.run_id, args.db_url)
-    step, epoch, start, log_s, thread_start = 0, 0, 0.0, 0.0, 0.0
+    if args.segment:
+        work_on_demand(sink)
+    segments: Segments | None = None
+    step, epoch, start, log_s, thread_start, half_warm = 0, 0, 0.0, 0.0, 0.0, 0.0
+    logging, logged_steps = True, 0
     while step < args.steps + args.warmup:
         sampler.set_epoch(epoch)
         for x, y, _ in loader:
+            if step == args.warmup // 2:
+                half_warm = time.perf_counter()
             if step == args.warmup:
+                if args.segment:
+                    step_s = (time.perf_counter() - half_warm) / (args.warmup - args.warmup // 2)
+                    segments = Segments(args.segment, agreed_step_time(step_s))
                 start, log_s, thread_start = time.perf_counter(), 0.0, thread_cpu(sink)
+            elif segments is not None and (step - args.warmup) % args.segment == 0:
+                logging = segments.boundary(sink)
             t0 = time.perf_counter()
             loss = torch.nn.functional.cross_entropy(ddp(x), y)
             opt.zero_grad(set_to_none=True)
@@ -125,20 +198,29 @@ def main() -> None:
             opt.step()
             step += 1
             values = {"loss": loss.item(), "samples_per_s": 32 / (time.perf_counter() - t0), "lr": 0.05}
-            t_log = time.perf_counter()
-            sink.log(step, values)
-            log_s += time.perf_counter() - t_log
+            if segments is not None:  # timed by segment: the log() call alone is not timed
+                if logging:
+                    sink.log(step, values)
+                    logged_steps += 1
+            else:
+                t_log = time.perf_counter()
+                sink.log(step, values)
+                log_s += time.perf_counter() - t_log
+                logged_steps += 1
             if step >= args.steps + args.warmup:
                 break
         epoch += 1
     elapsed = time.perf_counter() - start
+    if segments is not None:
+        segments.finish()
     thread_s = thread_cpu(sink) - thread_start
     sink.close()  # flushing what is left is part of the cost
     elapsed_with_close = time.perf_counter() - start
     if rank == 0:
         Path(args.out).write_text(json.dumps({"elapsed": elapsed, "elapsed_with_close": elapsed_with_close,
                                               "steps": args.steps, "warmup": args.warmup,
-                                              "log_s": log_s, "thread_s": thread_s}))
+                                              "log_s": log_s, "thread_s": thread_s, "logged_steps": logged_steps,
+                                              "segments": segments.times if segments else []}))
     del ddp, model, opt, loss
     gc.collect()  # release DDP before tearing the group down (NOTES: SIGABRT at exit otherwise)
     if distributed:

@@ -23,23 +23,24 @@ class LogBuffer:
     def __init__(self, rank: int, status: str | None) -> None:
         self.rank = rank
         self.dropped = 0
-        self.logged_points = 0
         self._logs: collections.deque[LogRow] = collections.deque(maxlen=MAX_BUFFERED_LOGS)
         self._events: collections.deque[EventRow] = collections.deque()
         self._status = status
-        self._step = 0
+        self._step = 0  # the last step taken from the buffer
+        self._quiet = True  # nothing logged yet
         self._stop = threading.Event()
         self._wake = threading.Event()  # the first point goes at once: the run shows up live sooner
 
     def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
-        """Queue one step's values (plain floats), stamped now or `at` (imports, the relay)."""
-        if len(self._logs) == MAX_BUFFERED_LOGS:
+        """Queue one step's values (plain floats), stamped now or `at` (imports, the relay). On the
+        training step's path: an append and little else; the background thread does the rest."""
+        logs = self._logs
+        if len(logs) == MAX_BUFFERED_LOGS:
             self.dropped += 1
-        self._logs.append((step, time.time() if at is None else at, values))
-        if not self.logged_points:
+        logs.append((step, time.time() if at is None else at, values))
+        if self._quiet:
+            self._quiet = False
             self._wake.set()
-        self.logged_points += len(values)
-        self._step = step
 
     def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
         self._events.append((kind, message, detail, time.time() if at is None else at))
@@ -61,7 +62,10 @@ class LogBuffer:
         return True
 
     def _take(self) -> tuple[list[LogRow], list[EventRow]]:
-        return _drain(self._logs), _drain(self._events)
+        logs = _drain(self._logs)
+        if logs:
+            self._step = logs[-1][0]
+        return logs, _drain(self._events)
 
     def _put_back(self, logs: list[LogRow], events: list[EventRow]) -> None:
         """A batch that could not be written goes back in front, to be retried."""

@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session
 from db.queries import count_points, events, metric_series, rank_states
 from db.runs import get_run
 from tests.conftest import ROOT, make_run, wait_for
-from trainer.relay import Listener, RelayClient, recv_frame, relay_from_env, send_frame
+from trainer import relay_server
+from trainer.relay import Listener, RelayClient, pack_logs, recv_frame, relay_from_env, send_frame, unpack_logs
 from trainer.relay_server import RelayServer
 
 
@@ -75,18 +76,31 @@ def test_the_first_point_arrives_at_once(engine: Engine, relay: tuple[RelayServe
     c.close()
 
 
+def test_every_batch_is_written_as_it_arrives(engine: Engine, relay: tuple[RelayServer, int]) -> None:
+    server, run_id = relay
+    c = client(server, send_interval_s=0.1)
+    c.log(1, {"loss": 2.0})
+    wait_for(lambda: _points(engine, run_id) == 1, 5, every=0.02)
+    c.log(2, {"loss": 1.5})
+    c.log(3, {"loss": 1.0})
+    # Well before the writer's own timer (WRITER_RETRY_INTERVAL_S) would have written them.
+    wait_for(lambda: _points(engine, run_id) == 3, relay_server.WRITER_RETRY_INTERVAL_S / 2, every=0.02)
+    c.close()
+
+
 def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
-    engine: Engine, relay: tuple[RelayServer, int]
+    engine: Engine, relay: tuple[RelayServer, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, run_id = relay
+    monkeypatch.setattr(relay_server, "WRITER_RETRY_INTERVAL_S", 0.5)  # the writer's timer runs while it is silent
     host, port = server.listener.address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
     send_frame(sock, ("hello", server.listener.token, 0, "cpu", 0, None, 4242, "node-a"))
-    send_frame(sock, ("batch", [(1, time.time(), {"loss": 1.0})], [], None, None))
+    send_frame(sock, ("batch", pack_logs([(1, time.time(), {"loss": 1.0})]), [], None, None))
     wait_for(lambda: _points(engine, run_id) == 1, 10, every=0.02)
     with Session(engine) as s:
         heard = rank_states(s, run_id).iloc[0]["heartbeat_at"]
-    time.sleep(2.5)  # silent, like a frozen process: the writer flushes twice, the heartbeat must not move
+    time.sleep(2.5)  # silent, like a frozen process: the writer's timer flushes, the heartbeat must not move
     with Session(engine) as s:
         state = rank_states(s, run_id).iloc[0]
     assert state["heartbeat_at"] == heard and time.time() - heard >= 2.5
@@ -157,6 +171,30 @@ def test_ranks_find_the_relay_in_their_environment() -> None:
     assert relay_from_env(listener.env()) == (listener.address, listener.token)
     assert relay_from_env({}) is None
     listener.close()
+
+
+def test_steps_survive_packing_whatever_they_log() -> None:
+    import numpy as np
+    import torch
+
+    same = [(step, 100.0 + step, {"loss": 1 / step, "lr": 0.1}) for step in range(1, 6)]
+    assert list(unpack_logs(pack_logs(same))) == same
+    assert len(pack_logs(same)) == 1  # one column per metric for the whole batch
+    mixed = [
+        (1, 1.0, {"loss": np.float32(0.5), "lr": 0.1}),
+        (2, 2.0, {"lr": 0.1, "loss": 0.25}),  # the same metrics in another order
+        (3, 3.0, {"loss": torch.tensor(0.125), "lr": 0.1, "val_loss": 2}),  # an evaluation step
+        (4, 4.0, {"loss": 0.0625, "note": "n/a", "grads": torch.ones(2)}),  # not numbers: dropped
+        (5, 5.0, {}),
+    ]
+    assert list(unpack_logs(pack_logs(mixed))) == [
+        (1, 1.0, {"loss": 0.5, "lr": 0.1}),
+        (2, 2.0, {"lr": 0.1, "loss": 0.25}),
+        (3, 3.0, {"loss": 0.125, "lr": 0.1, "val_loss": 2.0}),
+        (4, 4.0, {"loss": 0.0625}),
+        (5, 5.0, {}),
+    ]
+    assert pack_logs([]) == []
 
 
 def test_malformed_frames_are_rejected() -> None:

@@ -14,10 +14,13 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from db.writer import MetricWriter
-from trainer.relay import Listener, recv_frame, send_frame
+from trainer.relay import Listener, recv_frame, send_frame, unpack_logs
 
 log = logging.getLogger("trainer.supervisor")
 REGISTER_DEADLINE_S = 60.0
+# Each batch is written as it arrives (_write_now); the writer's own timer only retries a batch the
+# database refused (when no further batch comes to carry it), so it can be slow.
+WRITER_RETRY_INTERVAL_S = 5.0
 
 
 class RelayServer:
@@ -85,7 +88,8 @@ class RelayServer:
         while True:
             try:
                 return MetricWriter(self.engine, self.run_id, rank, device=device, attempt=attempt,
-                                    resume_after_step=resume_after_step, alive_at=heard.at, process=process)
+                                    resume_after_step=resume_after_step, alive_at=heard.at, process=process,
+                                    flush_interval_s=WRITER_RETRY_INTERVAL_S)
             except DBAPIError as exc:
                 if time.monotonic() > deadline:
                     raise
@@ -117,6 +121,16 @@ def _valid_hello(hello: tuple[Any, ...] | None, token: str) -> bool:
             and hmac.compare_digest(hello[1], token))
 
 
+def _write_now(writer: MetricWriter) -> None:
+    """Write a batch as soon as it arrives: the live view is then half a second behind the rank, not up
+    to the writer's interval more, and the supervisor's work follows the rank's send. A busy database
+    keeps the batch buffered; the next batch, the writer's retry timer or close() writes it."""
+    try:
+        writer.flush()
+    except Exception as exc:
+        log.warning("metrics relay: writing rank %d's batch failed (%s); it stays buffered", writer.rank, exc)
+
+
 def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
     while True:
         message = recv_frame(conn)
@@ -125,8 +139,8 @@ def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
         heard.time = time.time()
         kind = message[0]
         if kind == "batch":
-            _, logs, events, status, total = message
-            for step, at, values in logs:
+            _, groups, events, status, total = message
+            for step, at, values in unpack_logs(groups):
                 writer.log(step, values, at=at)
             for event_kind, text, detail, at in events:
                 writer.event(event_kind, text, detail, at=at)
@@ -134,6 +148,7 @@ def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
                 writer.set_status(status)
             if total is not None:
                 writer.set_total_steps(total)
+            _write_now(writer)
         elif kind == "flush":
             try:
                 writer.flush()
