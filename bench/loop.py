@@ -2,7 +2,7 @@
 
     python bench/loop.py --logger none|ddpdash|mlflow|tensorboard --steps N --out RESULT.json
                          [--run-id N --db-url URL]   (ddpdash; DDPDASH_RELAY set: through the relay)
-                         [--segment K]               (logging on and off every K steps, in one process)
+                         [--segment K]               (logging on and off every K steps, within the run)
     torchrun --standalone --nproc-per-node 2 bench/loop.py --logger ddpdash ...
 
 Every variant computes the same values (.item() included); only where they go differs.
@@ -94,7 +94,6 @@ class Segments:
     """Segment mode's schedule and timings (see the module's docstring)."""
 
     def __init__(self, steps_per_segment: int, step_s: float) -> None:
-        self.size = steps_per_segment
         # Wake the sink once every `every` quads: a quad logs 2 segments, so this is its timer's cadence.
         self.every = max(1, round(SEND_INTERVAL_S / (2 * steps_per_segment * step_s)))
         self.times: list[tuple[bool, float, bool]] = []  # (logging, seconds, woke the sink)
