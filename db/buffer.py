@@ -26,7 +26,6 @@ class LogBuffer:
         self._logs: collections.deque[LogRow] = collections.deque(maxlen=MAX_BUFFERED_LOGS)
         self._events: collections.deque[EventRow] = collections.deque()
         self._status = status
-        self._step = 0  # the last step taken from the buffer
         self._quiet = True  # nothing logged yet
         self._stop = threading.Event()
         self._wake = threading.Event()  # the first point goes at once: the run shows up live sooner
@@ -62,18 +61,15 @@ class LogBuffer:
         return True
 
     def _take(self) -> tuple[list[LogRow], list[EventRow]]:
-        logs = _drain(self._logs)
-        if logs:
-            self._step = logs[-1][0]
-        return logs, _drain(self._events)
+        return drain(self._logs), drain(self._events)
 
-    def _put_back(self, logs: list[LogRow], events: list[EventRow]) -> None:
-        """A batch that could not be written goes back in front, to be retried."""
-        self._logs.extendleft(reversed(logs))
+    def _put_back_events(self, events: list[EventRow]) -> None:
+        """Events that could not be written go back in front, to be retried."""
         self._events.extendleft(reversed(events))
 
 
-def _drain(queue: collections.deque[LogRow] | collections.deque[EventRow]) -> list:  # type: ignore[type-arg]
+def drain(queue: collections.deque) -> list:  # type: ignore[type-arg]
+    """Everything in `queue`, oldest first, taken out one by one: safe while another thread appends."""
     out = []
     while queue:
         out.append(queue.popleft())

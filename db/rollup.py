@@ -1,62 +1,65 @@
-"""Vectorised rollups: per-bucket min/max/sum/count of a metric series, merged with the bucket the
-writer is still filling. Pure numpy: no database, no Python loop per point."""
+"""Vectorised rollups: per-bucket min/max/sum/count of metric series at several bucket widths, merged
+with the buckets the writer is still filling. Pure numpy: no database, no Python loop per point, and
+one pass for every width and every metric that shares its steps (a batch's metrics do)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-
-@dataclass
-class Bucket:
-    bucket: int
-    step_min: int
-    step_max: int
-    vmin: float
-    vmax: float
-    vsum: float
-    count: int
-    time_max: float
-    vlast: float
-
-    def as_tuple(self) -> tuple[int, int, int, float, float, float, int, float, float]:
-        return (self.bucket, self.step_min, self.step_max, self.vmin, self.vmax, self.vsum, self.count, self.time_max,
-                self.vlast)
+# (bucket, step_min, step_max, vmin, vmax, vsum, count, time_max, vlast): a rollup row after its key.
+Bucket = tuple[int, int, int, float, float, float, int, float, float]
 
 
-def roll_up(steps: np.ndarray, values: np.ndarray, times: np.ndarray, width: int,
-            open_bucket: Bucket | None) -> list[Bucket]:
-    """Buckets of `width` steps touched by these points (ascending), the first merged with
-    `open_bucket` when it is the same bucket. Steps must be non-decreasing."""
-    buckets = steps // width
-    starts = np.flatnonzero(np.diff(buckets)) + 1
-    starts = np.concatenate(([0], starts))
-    ends = np.concatenate((starts[1:], [len(steps)])) - 1
-    vmin = np.minimum.reduceat(values, starts)
-    vmax = np.maximum.reduceat(values, starts)
-    vsum = np.add.reduceat(values, starts)
-    counts = ends - starts + 1
-    out = [
-        Bucket(b, s0, s1, lo, hi, sm, c, t, last)
-        for b, s0, s1, lo, hi, sm, c, t, last in zip(
-            buckets[starts].tolist(), steps[starts].tolist(), steps[ends].tolist(), vmin.tolist(), vmax.tolist(),
-            vsum.tolist(), counts.tolist(), times[ends].tolist(), values[ends].tolist(), strict=True,
-        )
-    ]
-    if open_bucket is not None and out and out[0].bucket == open_bucket.bucket:
-        first = out[0]
-        out[0] = Bucket(first.bucket, open_bucket.step_min, first.step_max, min(first.vmin, open_bucket.vmin),
-                        max(first.vmax, open_bucket.vmax), first.vsum + open_bucket.vsum,
-                        first.count + open_bucket.count, first.time_max, first.vlast)
+def roll_up(steps: np.ndarray, values: np.ndarray, times: np.ndarray, widths: Sequence[int],
+            open_buckets: Sequence[Mapping[int, Bucket]]) -> list[list[tuple[int, Bucket]]]:
+    """Per metric (a row of `values`, shape metrics × steps), its (width, bucket) rows: for each width
+    in turn, the buckets of that many steps these points touch, ascending, the first merged with the
+    metric's open bucket of that width (`open_buckets[metric][width]`) when it is the same bucket.
+    Steps must be non-decreasing.
+
+    All widths at once: the points are laid out once per width, end to end, and a bucket starts where
+    the bucket number changes or a width's run begins; one reduceat then serves every width."""
+    n = len(steps)
+    width_array = np.asarray(widths, dtype=np.int64)
+    index = (steps[np.newaxis, :] // width_array[:, np.newaxis]).ravel()
+    new_bucket = np.empty(len(index), dtype=bool)
+    new_bucket[0] = True
+    np.not_equal(index[1:], index[:-1], out=new_bucket[1:])
+    new_bucket[::n] = True
+    starts = np.flatnonzero(new_bucket)
+    ends = np.append(starts[1:], len(index)) - 1
+    first, last = starts % n, ends % n  # positions in `steps`
+    laid_out = np.tile(values, len(widths))
+    vmin = np.minimum.reduceat(laid_out, starts, axis=1).tolist()
+    vmax = np.maximum.reduceat(laid_out, starts, axis=1).tolist()
+    vsum = np.add.reduceat(laid_out, starts, axis=1).tolist()
+    vlast = values[:, last].tolist()
+    shared = (index[starts].tolist(), steps[first].tolist(), steps[last].tolist())
+    counts, time_max = (ends - starts + 1).tolist(), times[last].tolist()
+    width_of = width_array[starts // n].tolist()
+    width_begins = np.flatnonzero(first == 0).tolist()
+    out = []
+    for i, opened in enumerate(open_buckets):
+        buckets = list(zip(*shared, vmin[i], vmax[i], vsum[i], counts, time_max, vlast[i], strict=True))
+        for j in width_begins:
+            earlier = opened.get(width_of[j])
+            if earlier is not None and earlier[0] == buckets[j][0]:
+                buckets[j] = merge(earlier, buckets[j])
+        out.append(list(zip(width_of, buckets, strict=True)))
     return out
 
 
-def as_sorted_arrays(steps: list[int], values: list[float], times: list[float]) -> tuple[np.ndarray, ...]:
-    s = np.asarray(steps, dtype=np.int64)
-    v = np.asarray(values, dtype=np.float64)
-    t = np.asarray(times, dtype=np.float64)
-    if len(s) > 1 and np.any(np.diff(s) < 0):
-        order = np.argsort(s, kind="stable")
-        s, v, t = s[order], v[order], t[order]
-    return s, v, t
+def merge(earlier: Bucket, later: Bucket) -> Bucket:
+    """One bucket from two parts of it, `earlier`'s steps before `later`'s."""
+    return (later[0], earlier[1], later[2], min(earlier[3], later[3]), max(earlier[4], later[4]),
+            earlier[5] + later[5], earlier[6] + later[6], later[7], later[8])
+
+
+def sorted_by_step(steps: np.ndarray, values: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The points in step order (they nearly always are already); `values` is metrics × steps."""
+    if len(steps) > 1 and np.any(steps[1:] < steps[:-1]):
+        order = np.argsort(steps, kind="stable")
+        return steps[order], values[:, order], times[order]
+    return steps, values, times

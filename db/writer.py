@@ -6,33 +6,54 @@ buckets it is still filling in memory and rewrites just those on each flush.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import repeat
+from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Engine, Table, bindparam, delete, func, insert, select, update
+import numpy as np
+from sqlalchemy import ClauseElement, Connection, Engine, bindparam, delete, func, insert, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from db.buffer import EventRow, LogBuffer, LogRow
+from db.buffer import MAX_BUFFERED_LOGS, EventRow, LogBuffer, drain
+from db.columns import Group, group_logs, last_step, steps_in
 from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup, RankState, Run, RunEvent
-from db.rollup import Bucket, as_sorted_arrays, roll_up
+from db.rollup import Bucket, roll_up, sorted_by_step
 
 log = logging.getLogger(__name__)
 
 POINT_COLUMNS = ("run_id", "rank", "step", "name", "value", "time")
 ROLLUP_COLUMNS = ("run_id", "name", "width", "rank", "bucket", "step_min", "step_max", "vmin", "vmax", "vsum",
                   "count", "time_max", "vlast")
+# The statements of every flush, compiled once (execute_many).
+_INSERT_POINTS = insert(MetricPoint)
+_INSERT_ROLLUPS = insert(MetricRollup)
 _DELETE_ROLLUPS_FROM = delete(MetricRollup).where(
     MetricRollup.run_id == bindparam("r"), MetricRollup.rank == bindparam("k"), MetricRollup.name == bindparam("n"),
     MetricRollup.width == bindparam("w"), MetricRollup.bucket >= bindparam("b"),
 )
+_DELETE_ROLLUPS_PARAMS = ("r", "k", "n", "w", "b")
+_UPDATE_RANK = update(RankState).where(RankState.run_id == bindparam("r"), RankState.rank == bindparam("k")).values(
+    status=bindparam("st"), step=bindparam("sp"), heartbeat_at=bindparam("hb"))
+_UPDATE_RANK_PARAMS = ("st", "sp", "hb", "r", "k")
 FLUSH_INTERVAL_S = 1.0
 CLOSE_DEADLINE_S = 30.0
+
+
+# Metrics that share their steps: (names, steps, values as metrics × steps, times).
+Series = tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]
+
+
+class Rollups(NamedTuple):
+    rows: list[tuple[object, ...]]
+    rewrite_from: dict[tuple[str, int], int]  # (metric, width) -> the first bucket the rows rewrite
+    still_open: dict[str, dict[int, Bucket]]  # metric -> width -> its last bucket, still filling
 
 
 class MetricWriter(LogBuffer):
@@ -60,7 +81,9 @@ class MetricWriter(LogBuffer):
         self.run_id = run_id
         self.flush_interval_s = flush_interval_s
         self.written_points = 0
-        self._open: dict[tuple[str, int], Bucket] = {}  # (metric, width) -> the bucket still filling
+        self._open: dict[str, dict[int, Bucket]] = {}  # metric -> width -> the bucket still filling
+        self._groups: collections.deque[Group] = collections.deque()  # relayed steps, and any to retry
+        self._step = 0  # the last step written: the rank's progress
         self._run_values: dict[str, object] = {}
         self._total_steps: int | None = None
         self._flush_lock = threading.Lock()
@@ -73,6 +96,11 @@ class MetricWriter(LogBuffer):
         if total != self._total_steps:
             self._total_steps = total
             self._run_values["total_steps"] = total
+
+    def log_groups(self, groups: Sequence[Group]) -> None:
+        """Steps a rank relayed, already in columns (trainer/relay_server.py): written as they came,
+        never turned into a dict per step."""
+        self._groups.extend(groups)
 
     def flush(self) -> None:
         with self._flush_lock:
@@ -110,26 +138,38 @@ class MetricWriter(LogBuffer):
 
     def _flush_once(self) -> None:
         logs, events = self._take()
+        groups = [*drain(self._groups), *group_logs(logs)]
         try:
-            self._write(logs, events)
+            self._write(groups, events)
         except Exception:
-            self._put_back(logs, events)  # nothing is lost: the next flush retries it
+            self._retry_later(groups, events)
             raise
 
-    def _write(self, logs: list[LogRow], events: list[EventRow]) -> None:
+    def _retry_later(self, groups: list[Group], events: list[EventRow]) -> None:
+        """A batch the database refused goes back in front, to be retried; a long outage keeps the newest
+        MAX_BUFFERED_LOGS steps, as log() does."""
+        self._groups.extendleft(reversed(groups))
+        self._put_back_events(events)
+        excess = steps_in(self._groups) - MAX_BUFFERED_LOGS
+        while excess > 0 and len(self._groups) > 1:
+            lost = len(self._groups.popleft()[1])
+            self.dropped += lost
+            excess -= lost
+
+    def _write(self, groups: list[Group], events: list[EventRow]) -> None:
         run_id, rank = self.run_id, self.rank
-        points, series = _columns(run_id, rank, logs)
-        rollups, rewrite_from = self._roll_up(series)
+        points = _points(run_id, rank, groups)
+        rollups = self._roll_up(_series(groups))
+        step = last_step(groups)
         alive_at = self.alive_at()
         with self.engine.begin() as conn:
             if points:
-                insert_many(conn, MetricPoint.__table__, POINT_COLUMNS, points)
-            if rewrite_from:
-                conn.execute(_DELETE_ROLLUPS_FROM, [
-                    {"r": run_id, "k": rank, "n": name, "w": width, "b": bucket}
-                    for (name, width), bucket in rewrite_from.items()
+                execute_many(conn, _INSERT_POINTS, POINT_COLUMNS, points)
+            if rollups.rows:
+                execute_many(conn, _DELETE_ROLLUPS_FROM, _DELETE_ROLLUPS_PARAMS, [
+                    (run_id, rank, name, width, bucket) for (name, width), bucket in rollups.rewrite_from.items()
                 ])
-                insert_many(conn, MetricRollup.__table__, ROLLUP_COLUMNS, rollups)
+                execute_many(conn, _INSERT_ROLLUPS, ROLLUP_COLUMNS, rollups.rows)
             if events:
                 conn.execute(insert(RunEvent), [
                     {"run_id": run_id, "time": at, "kind": kind, "rank": rank, "message": message, "detail": detail}
@@ -138,27 +178,31 @@ class MetricWriter(LogBuffer):
             if self._run_values:
                 conn.execute(update(Run).where(Run.id == run_id).values(**self._run_values))
                 self._run_values = {}
-            conn.execute(
-                update(RankState)
-                .where(RankState.run_id == run_id, RankState.rank == rank)
-                .values(status=self._status, step=self._step, heartbeat_at=alive_at)
-            )
+            execute_many(conn, _UPDATE_RANK, _UPDATE_RANK_PARAMS,
+                         [(self._status, self._step if step is None else step, alive_at, run_id, rank)])
+        self._open.update(rollups.still_open)
         self.written_points += len(points)
+        if step is not None:
+            self._step = step
 
-    def _roll_up(
-        self, series: dict[str, tuple[list[int], list[float], list[float]]]
-    ) -> tuple[list[tuple[object, ...]], dict[tuple[str, int], int]]:
-        """Rollup rows to (re)write, and per (metric, width) the first bucket they rewrite."""
+    def _roll_up(self, series: list[Series]) -> Rollups:
+        """Rollup rows to (re)write, per (metric, width) the first bucket they rewrite, and the buckets
+        left open (kept once the rows are written: a refused batch is rolled up again when retried)."""
         rows: list[tuple[object, ...]] = []
         rewrite_from: dict[tuple[str, int], int] = {}
-        for name, (steps, values, times) in series.items():
-            s, v, t = as_sorted_arrays(steps, values, times)
-            for width in ROLLUP_WIDTHS:
-                buckets = roll_up(s, v, t, width, self._open.get((name, width)))
-                self._open[(name, width)] = buckets[-1]
-                rewrite_from[(name, width)] = buckets[0].bucket
-                rows.extend((self.run_id, name, width, self.rank, *b.as_tuple()) for b in buckets)
-        return rows, rewrite_from
+        still_open: dict[str, dict[int, Bucket]] = {}
+        run_id, rank = self.run_id, self.rank
+        for names, steps, values, times in series:
+            steps, values, times = sorted_by_step(steps, values, times)
+            rolled = roll_up(steps, values, times, ROLLUP_WIDTHS, [self._open.get(name, {}) for name in names])
+            for name, buckets in zip(names, rolled, strict=True):
+                opened = still_open[name] = {}
+                for width, bucket in buckets:
+                    if width not in opened:
+                        rewrite_from[(name, width)] = bucket[0]
+                    opened[width] = bucket  # the last one of its width stays
+                rows.extend((run_id, name, width, rank, *bucket) for width, bucket in buckets)
+        return Rollups(rows, rewrite_from, still_open)
 
     # ---- start-up --------------------------------------------------------------------------
     def _register(self, device: str, attempt: int, resume_after_step: int | None, process: tuple[str, int]) -> None:
@@ -188,63 +232,66 @@ class MetricWriter(LogBuffer):
             MetricPoint.run_id == run_id, MetricPoint.rank == rank, MetricPoint.step > step))
         s.execute(delete(MetricRollup).where(MetricRollup.run_id == run_id, MetricRollup.rank == rank))
         # Rebuild this rank's rollups from the points that remain, with the same code as ingest.
-        series: dict[str, tuple[list[int], list[float], list[float]]] = {}
+        per_name: dict[str, tuple[list[int], list[float], list[float]]] = {}
         for name, point_step, value, t in s.execute(
             select(MetricPoint.name, MetricPoint.step, MetricPoint.value, MetricPoint.time)
             .where(MetricPoint.run_id == run_id, MetricPoint.rank == rank)
             .order_by(MetricPoint.name, MetricPoint.step)
         ):
-            per = series.setdefault(name, ([], [], []))
+            per = per_name.setdefault(name, ([], [], []))
             per[0].append(point_step)
             per[1].append(value)
             per[2].append(t)
-        rows, _ = self._roll_up(series)
-        insert_many(s.connection(), MetricRollup.__table__, ROLLUP_COLUMNS, rows)
+        rollups = self._roll_up([((name,), np.array(st, dtype=np.int64), np.array([v], dtype=np.float64),
+                                  np.array(t, dtype=np.float64)) for name, (st, v, t) in per_name.items()])
+        execute_many(s.connection(), _INSERT_ROLLUPS, ROLLUP_COLUMNS, rollups.rows)
+        self._open = rollups.still_open  # the caller's transaction ends before the writer writes again
 
 
-def _columns(
-    run_id: int, rank: int, logs: list[LogRow]
-) -> tuple[list[tuple[object, ...]], dict[str, tuple[list[int], list[float], list[float]]]]:
-    """Point rows and per-metric (steps, values, times). Steps logging the same metrics — the usual
-    case — take a column-wise path that builds the rows in C (zip), not one Python loop per point."""
+def _points(run_id: int, rank: int, groups: list[Group]) -> list[tuple[object, ...]]:
+    """The point rows, built in C (zip over the columns), not one Python loop per point."""
     points: list[tuple[object, ...]] = []
-    series: dict[str, tuple[list[int], list[float], list[float]]] = {}
-    if not logs:
-        return points, series
-    keys = logs[0][2].keys()
-    if all(values.keys() == keys for _, _, values in logs):
-        steps = [step for step, _, _ in logs]
-        times = [t for _, t, _ in logs]
-        for name in keys:
-            values = [v[name] for _, _, v in logs]
-            series[name] = (steps, values, times)
-            points.extend(zip(repeat(run_id), repeat(rank), steps, repeat(name), values, times, strict=False))
-        return points, series
-    for step, t, values in logs:
-        for name, value in values.items():
-            points.append((run_id, rank, step, name, value, t))
-            per = series.setdefault(name, ([], [], []))
-            per[0].append(step)
-            per[1].append(value)
-            per[2].append(t)
-    return points, series
+    for names, steps, times, columns in groups:
+        for name, column in zip(names, columns, strict=True):
+            points.extend(zip(repeat(run_id), repeat(rank), steps, repeat(name), column, times, strict=False))
+    return points
 
 
-_INSERT_SQL: dict[tuple[str, str], tuple[str, bool]] = {}
+def _series(groups: list[Group]) -> list[Series]:
+    """The groups as numpy series for the rollups: one batch of the usual kind is one series, all its
+    metrics rolled up together; otherwise each metric's steps, from every group, make one."""
+    groups = [g for g in groups if g[0] and len(g[1])]
+    if len(groups) == 1:
+        names, steps, times, columns = groups[0]
+        return [(names, np.frombuffer(steps, dtype=np.int64), np.vstack([np.frombuffer(c) for c in columns]),
+                 np.frombuffer(times))]
+    per_name: dict[str, list[tuple[Any, Any, Any]]] = {}
+    for names, steps, times, columns in groups:
+        for name, column in zip(names, columns, strict=True):
+            per_name.setdefault(name, []).append((steps, column, times))
+    return [((name,), np.concatenate([np.frombuffer(s, dtype=np.int64) for s, _, _ in parts]),
+             np.concatenate([np.frombuffer(v) for _, v, _ in parts])[np.newaxis, :],
+             np.concatenate([np.frombuffer(t) for _, _, t in parts]))
+            for name, parts in per_name.items()]
 
 
-def insert_many(conn: Connection, table: Table, columns: tuple[str, ...], rows: list[tuple[object, ...]]) -> None:
-    """executemany of plain tuples, in the dialect's own SQL and parameter style: skips SQLAlchemy's
-    per-row parameter processing (the difference between ~300k and ~500k rows/s on SQLite)."""
+_DRIVER_SQL: dict[tuple[str, int], tuple[str, bool]] = {}
+
+
+def execute_many(conn: Connection, statement: ClauseElement, names: tuple[str, ...],
+                 rows: list[tuple[object, ...]]) -> None:
+    """executemany of plain tuples (values in the order of `names`: the insert's columns, or the
+    statement's bind parameters as they appear in it), in the dialect's own SQL and parameter style,
+    compiled once per dialect. It skips SQLAlchemy's per-row parameter processing: ~300k → ~500k
+    rows/s on SQLite, and a few hundred µs on each of a batch's small statements."""
     if not rows:
         return
-    key = (conn.dialect.name, table.name)
-    if key not in _INSERT_SQL:
-        compiled = table.insert().compile(dialect=conn.dialect, column_keys=list(columns))
-        order = compiled.positiontup if compiled.positional else None
-        if order is not None and list(order) != list(columns):
-            raise AssertionError(f"unexpected parameter order {order}")
-        _INSERT_SQL[key] = (str(compiled), compiled.positional)
-    sql, positional = _INSERT_SQL[key]
-    params = rows if positional else [dict(zip(columns, r, strict=True)) for r in rows]
+    key = (conn.dialect.name, id(statement))
+    if key not in _DRIVER_SQL:
+        compiled = statement.compile(dialect=conn.dialect, column_keys=list(names))
+        if compiled.positional and list(compiled.positiontup or ()) != list(names):
+            raise AssertionError(f"unexpected parameter order {compiled.positiontup}")
+        _DRIVER_SQL[key] = (str(compiled), compiled.positional)
+    sql, positional = _DRIVER_SQL[key]
+    params = rows if positional else [dict(zip(names, r, strict=True)) for r in rows]
     conn.exec_driver_sql(sql, params)  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import marshal
 import os
 import socket
 import subprocess
@@ -13,11 +14,13 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from db.buffer import LogRow
+from db.columns import group_logs, pack, rows_of, unpack
 from db.queries import count_points, events, metric_series, rank_states
 from db.runs import get_run
 from tests.conftest import ROOT, make_run, wait_for
 from trainer import relay_server
-from trainer.relay import Listener, RelayClient, pack_logs, recv_frame, relay_from_env, send_frame, unpack_logs
+from trainer.relay import Listener, RelayClient, recv_frame, relay_from_env, send_frame
 from trainer.relay_server import RelayServer
 
 
@@ -96,7 +99,7 @@ def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
     host, port = server.listener.address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
     send_frame(sock, ("hello", server.listener.token, 0, "cpu", 0, None, 4242, "node-a"))
-    send_frame(sock, ("batch", pack_logs([(1, time.time(), {"loss": 1.0})]), [], None, None))
+    send_frame(sock, ("batch", pack(group_logs([(1, time.time(), {"loss": 1.0})])), [], None, None))
     wait_for(lambda: _points(engine, run_id) == 1, 10, every=0.02)
     with Session(engine) as s:
         heard = rank_states(s, run_id).iloc[0]["heartbeat_at"]
@@ -178,8 +181,8 @@ def test_steps_survive_packing_whatever_they_log() -> None:
     import torch
 
     same = [(step, 100.0 + step, {"loss": 1 / step, "lr": 0.1}) for step in range(1, 6)]
-    assert list(unpack_logs(pack_logs(same))) == same
-    assert len(pack_logs(same)) == 1  # one column per metric for the whole batch
+    assert through_the_wire(same) == same
+    assert len(group_logs(same)) == 1  # one column per metric for the whole batch
     mixed = [
         (1, 1.0, {"loss": np.float32(0.5), "lr": 0.1}),
         (2, 2.0, {"lr": 0.1, "loss": 0.25}),  # the same metrics in another order
@@ -187,14 +190,18 @@ def test_steps_survive_packing_whatever_they_log() -> None:
         (4, 4.0, {"loss": 0.0625, "note": "n/a", "grads": torch.ones(2)}),  # not numbers: dropped
         (5, 5.0, {}),
     ]
-    assert list(unpack_logs(pack_logs(mixed))) == [
+    assert through_the_wire(mixed) == [
         (1, 1.0, {"loss": 0.5, "lr": 0.1}),
         (2, 2.0, {"lr": 0.1, "loss": 0.25}),
         (3, 3.0, {"loss": 0.125, "lr": 0.1, "val_loss": 2.0}),
         (4, 4.0, {"loss": 0.0625}),
         (5, 5.0, {}),
     ]
-    assert pack_logs([]) == []
+    assert group_logs([]) == []
+
+
+def through_the_wire(logs: list[LogRow]) -> list[LogRow]:
+    return list(rows_of(unpack(marshal.loads(marshal.dumps(pack(group_logs(logs)))))))
 
 
 def test_malformed_frames_are_rejected() -> None:

@@ -6,10 +6,15 @@ import multiprocessing as mp
 import time
 
 import pandas as pd
-from sqlalchemy import Engine
+import pytest
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from db import writer
+from db.columns import group_logs
 from db.engine import make_engine
+from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup
 from db.queries import count_points, metric_series, rank_states
 from db.writer import MetricWriter
 from tests.conftest import make_run, wait_for
@@ -96,6 +101,63 @@ def test_rollups_match_raw_aggregation_across_flush_boundaries(engine: Engine) -
     assert first["vmin"] == covered["value"].min() and first["vmax"] == covered["value"].max()
     assert abs(first["value"] - covered["value"].mean()) < 1e-9
     assert len(df) <= 100 and width > 0
+
+
+def test_every_rollup_matches_the_points_it_summarises(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways steps reach a writer — log() in the rank, relayed columns in the supervisor — with
+    what real loops do: several metrics, an evaluation metric now and then, another key order, a batch
+    the database refused once; every rollup row must equal the aggregate of its points."""
+    run_id = make_run(engine)
+    direct = MetricWriter(engine, run_id, 0, flush_interval_s=3600)
+    relayed = MetricWriter(engine, run_id, 1, flush_interval_s=3600)
+    steps = [(step, 1000.0 + step, loop_values(step)) for step in range(1, 3001)]
+    for start in range(0, 3000, 250):
+        chunk = steps[start : start + 250]
+        for step, at, values in chunk:
+            direct.log(step, values, at=at)
+        relayed.log_groups(group_logs(chunk))
+        if start == 1500:  # the database refuses this batch: it is kept and written with the next one
+            refuse_once(monkeypatch)
+            with pytest.raises(OperationalError):
+                relayed.flush()
+        direct.flush()
+        relayed.flush()
+    direct.close()
+    relayed.close()
+    with Session(engine) as s:
+        points = pd.read_sql(select(MetricPoint.rank, MetricPoint.name, MetricPoint.step, MetricPoint.value,
+                                    MetricPoint.time), s.connection())
+        rollups = pd.read_sql(select(MetricRollup).where(MetricRollup.run_id == run_id), s.connection())
+    assert len(points) == 2 * sum(len(values) for _, _, values in steps)
+    assert not points.duplicated(["rank", "name", "step"]).any()
+    expected = pd.concat([aggregate(points, width) for width in ROLLUP_WIDTHS])
+    got = rollups.drop(columns="run_id").set_index(["rank", "name", "width", "bucket"]).sort_index()
+    pd.testing.assert_frame_equal(got, expected.loc[:, got.columns].sort_index(), check_dtype=False)
+
+
+def loop_values(step: int) -> dict[str, float]:
+    values = {"loss": ((step * 7919) % 1000) / 10.0, "lr": 0.1 / (1 + step // 500)}
+    if step % 100 == 0:
+        values["val_loss"] = step / 1e4
+    return dict(reversed(values.items())) if step % 7 == 0 else values
+
+
+def refuse_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = writer.execute_many
+
+    def refuse(*args: object) -> None:
+        monkeypatch.setattr(writer, "execute_many", original)
+        raise OperationalError("INSERT", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(writer, "execute_many", refuse)
+
+
+def aggregate(points: pd.DataFrame, width: int) -> pd.DataFrame:
+    """The rollup rows of one width, computed from the points the slow, obvious way."""
+    rows = points.sort_values("step").assign(width=width, bucket=points["step"] // width)
+    return rows.groupby(["rank", "name", "width", "bucket"]).agg(
+        step_min=("step", "min"), step_max=("step", "max"), vmin=("value", "min"), vmax=("value", "max"),
+        vsum=("value", "sum"), count=("value", "size"), time_max=("time", "max"), vlast=("value", "last"))
 
 
 def test_small_series_come_back_raw(engine: Engine) -> None:

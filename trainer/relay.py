@@ -10,15 +10,13 @@ supervisor's process. The rank never imports SQLAlchemy either, which takes it o
 This module is light on purpose (standard library only): every rank imports it.
 Frames: 4-byte big-endian length, then `marshal` of a tuple. The first frame is
 ("hello", token, rank, device, attempt, resume_after_step, pid, host); then ("batch", groups, events,
-status, total_steps) at least once per interval (the heartbeat), the steps packed by `pack_logs`;
-("flush",) and ("close", status) are answered with ("ok",) once written. marshal cannot run code; the
-token keeps other local users out.
+status, total_steps) at least once per interval (the heartbeat), the steps as packed columns
+(db/columns.py); ("flush",) and ("close", status) are answered with ("ok",) once written. marshal
+cannot run code; the token keeps other local users out.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import marshal
 import os
@@ -26,11 +24,11 @@ import secrets
 import socket
 import struct
 import threading
-from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from db.buffer import LogBuffer, LogRow
+from db.buffer import LogBuffer
+from db.columns import group_logs, pack
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +159,7 @@ class RelayClient(LogBuffer):
                 self.dropped += len(logs)
                 return False
             try:
-                send_frame(self._sock, ("batch", pack_logs(logs), events, self._status, self._total))
+                send_frame(self._sock, ("batch", pack(group_logs(logs)), events, self._status, self._total))
                 return True
             except (OSError, ValueError, TypeError) as exc:
                 self._give_up(exc, len(logs))
@@ -191,67 +189,3 @@ class RelayClient(LogBuffer):
         self._broken = True
         self.dropped += lost
         log.warning("rank %d: metrics relay lost (%s); later metrics are dropped", self.rank, exc)
-
-
-# ---- steps on the wire -----------------------------------------------------------------------
-# A group: (metric names, steps, times, one column of values per name), the numbers as raw machine
-# arrays (the relay is loopback only: same machine, same byte order).
-Group = tuple[tuple[str, ...], bytes, bytes, tuple[bytes, ...]]
-
-
-def pack_logs(logs: Sequence[LogRow]) -> list[Group]:
-    """Steps as column groups. The sender holds the GIL the training loop needs while it packs, so this
-    is the cheap path: a column per metric, converted to doubles in C (numpy scalars and 1-element
-    tensors included), and marshal copies bytes; a dict per step cost ≈ 2 µs to convert and encode."""
-    if not logs:
-        return []
-    values = [row[2] for row in logs]
-    names = tuple(values[0])
-    # Every step has exactly the first one's metrics: the same count, and each name found (KeyError else).
-    if sum(map(len, values)) == len(names) * len(values):
-        with contextlib.suppress(Exception):  # another metric, a non-number: the careful path below
-            return [_group(names, logs, values)]
-    groups = []
-    careful = ((int(step), float(at), _as_floats(vals)) for step, at, vals in logs)
-    for group_names, rows in itertools.groupby(careful, key=lambda row: tuple(row[2])):
-        same = list(rows)
-        groups.append(_group(group_names, same, [row[2] for row in same]))
-    return groups
-
-
-def unpack_logs(groups: Sequence[Group]) -> Iterator[LogRow]:
-    """The steps `pack_logs` packed, in order."""
-    for names, steps, times, columns in groups:
-        cols = [_doubles(column) for column in columns]
-        step_array = array("q")
-        step_array.frombytes(steps)
-        for step, at, *vals in zip(step_array, _doubles(times), *cols, strict=True):
-            yield step, at, dict(zip(names, vals, strict=True))
-
-
-def _group(names: tuple[str, ...], logs: Sequence[LogRow], values: Sequence[Mapping[str, Any]]) -> Group:
-    return (names, array("q", [row[0] for row in logs]).tobytes(), array("d", [row[1] for row in logs]).tobytes(),
-            tuple(array("d", [vals[name] for vals in values]).tobytes() for name in names))
-
-
-def _doubles(raw: bytes) -> array[float]:
-    out = array("d")
-    out.frombytes(raw)
-    return out
-
-
-_WARNED: set[str] = set()  # metrics already warned about: once each, not every step
-
-
-def _as_floats(values: Mapping[str, Any]) -> dict[str, float]:
-    """Every value as a float; one that is no number is dropped (with a warning, once per metric), the
-    rest of the step kept."""
-    out = {}
-    for k, v in values.items():
-        try:
-            out[k] = float(v)
-        except Exception:  # a string, a many-element tensor (RuntimeError), ...
-            if k not in _WARNED:
-                _WARNED.add(k)
-                log.warning("metric %r must be a number, got %r: dropped (and every later one like it)", k, v)
-    return out

@@ -13,8 +13,9 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
+from db.columns import unpack
 from db.writer import MetricWriter
-from trainer.relay import Listener, recv_frame, send_frame, unpack_logs
+from trainer.relay import Listener, recv_frame, send_frame
 
 log = logging.getLogger("trainer.supervisor")
 REGISTER_DEADLINE_S = 60.0
@@ -140,8 +141,7 @@ def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
         kind = message[0]
         if kind == "batch":
             _, groups, events, status, total = message
-            for step, at, values in unpack_logs(groups):
-                writer.log(step, values, at=at)
+            writer.log_groups(unpack(groups))
             for event_kind, text, detail, at in events:
                 writer.event(event_kind, text, detail, at=at)
             if status:
