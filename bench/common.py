@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,26 +96,34 @@ def run_main(doc: str | None, sizes: dict[str, tuple[int, ...]],
 
 
 class Store:
-    """The database a ddpdash loop writes, its run, and (relay=True) the relay the ranks send to."""
+    """The database a ddpdash loop writes, its run, and (relay=True) the relay the ranks send to, served
+    as a launched run's is: by another process, in its own session, at the supervisor's priority."""
 
     def __init__(self, work: Path, relay: bool) -> None:
         from sqlalchemy.orm import Session
 
         from db.migrate import open_store
         from db.runs import create_run
-        from trainer.relay import Listener
-        from trainer.relay_server import RelayServer
 
         self.url = f"sqlite:///{work / 'ddpdash.db'}"
         self.engine = open_store(self.url)
         with Session(self.engine) as s, s.begin():
             self.run_id = create_run(s, key=f"bench-{work.name}", name="bench", config_json="{}", world_size=1)
         self.env: dict[str, str] = {}
-        self.server = None
+        self.host: subprocess.Popen[str] | None = None
         if relay:
-            listener = Listener()
-            self.server = RelayServer(self.engine, self.run_id, listener)
-            self.env = listener.env()
+            self.host = subprocess.Popen(
+                [sys.executable, str(ROOT / "bench" / "relay_host.py"), "--db-url", self.url, "--run-id",
+                 str(self.run_id)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            )
+            assert self.host.stdout is not None
+            self.env = json.loads(self.host.stdout.readline())
+
+    def drain(self) -> None:
+        """Once the ranks have exited: wait until the relay has written everything they sent."""
+        if self.host is not None and self.host.poll() is None:
+            self.host.communicate(timeout=120)  # its input closes: it drains the relay and exits
 
     def check_complete(self, expected: int) -> None:
         """Every logged point is in the database: a fast writer that loses points would be no writer."""
@@ -122,8 +132,7 @@ class Store:
 
         from db.models import MetricPoint
 
-        if self.server is not None:
-            self.server.drain()
+        self.drain()
         with Session(self.engine) as s:
             stored = s.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.run_id == self.run_id))
         self.engine.dispose()

@@ -32,7 +32,7 @@ from bench.common import ROOT, Result, Store, describe, interleaved, quartiles, 
 
 LOOP = ROOT / "bench" / "loop.py"
 BASELINE, CONTROL = "no logging", "no logging again (A/A control)"
-# Variant → the loop's --logger. "ddpdash" runs with a relay served by this process.
+# Variant → the loop's --logger. "ddpdash" runs with a relay served as the supervisor serves it.
 LOOP_LOGGER = {BASELINE: "none", CONTROL: "none", "ddpdash": "ddpdash", "ddpdash, direct": "ddpdash"}
 
 
@@ -43,7 +43,7 @@ def available(logger: str) -> bool:
 
 def run_loop(logger: str, steps: int, ranks: int) -> dict[str, float]:
     """One timed loop. "ddpdash" is how a launched run logs: the ranks relay to a writer in another
-    process (here this one, idle otherwise, as the supervisor is); "ddpdash-direct" is how a
+    process (bench/relay_host.py: its own session, the supervisor's priority); "ddpdash-direct" is how a
     hand-started run logs: each rank writes the database itself."""
     with tempfile.TemporaryDirectory() as work:
         out = Path(work) / "result.json"

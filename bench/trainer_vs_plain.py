@@ -43,7 +43,7 @@ def plain(steps: int) -> float:
 
 def ddpdash(steps: int, **changes: object) -> float:
     """The trainer as ddpdash runs it: its ranks relay their metrics to a writer in another process
-    (here this one, idle otherwise, standing in for the supervisor)."""
+    (bench/relay_host.py, standing in for the supervisor)."""
     cfg = RunConfig(name="bench", model="mlp", width=WIDTH, depth=2, batch_size=BATCH, max_steps=steps,
                     log_every=1, checkpoint_every=0, sync_check_every=0, num_procs=2).replace(**changes)
     with tempfile.TemporaryDirectory() as work:
@@ -51,8 +51,7 @@ def ddpdash(steps: int, **changes: object) -> float:
         store = Store(Path(work), relay=True)
         torchrun("-m", "trainer", "--config", f"{work}/config.json", "--run-id", str(store.run_id), "--db-url",
                  store.url, env=store.env)
-        assert store.server is not None
-        store.server.drain()
+        store.drain()
         with Session(store.engine) as s:
             stamps = dict(s.execute(select(MetricPoint.step, MetricPoint.time).where(
                 MetricPoint.run_id == store.run_id, MetricPoint.rank == 0, MetricPoint.name == "loss",

@@ -17,6 +17,7 @@ from db.runs import RunInfo, get_run
 from tests.conftest import CPU_MACHINE, tiny, wait_final, wait_for
 from trainer.config import ConfigInvalid, RunConfig
 from trainer.launcher import cli_command, launch, reconcile, stop, torchrun_argv, torchrun_env
+from trainer.supervision import SUPERVISOR_NICE
 
 
 # ---- pure builders --------------------------------------------------------------------------
@@ -111,6 +112,15 @@ def test_a_failing_rank_is_named_with_its_traceback(engine: Engine, monkeypatch:
     assert wait_for(lambda: no_survivors(run), 10)
 
 
+def priority(pid: int) -> tuple[int, int | None]:
+    """A process's nice value and its session's (its autogroup's; None where the kernel has none)."""
+    try:
+        autogroup: int | None = int(Path(f"/proc/{pid}/autogroup").read_text().split("nice")[1])
+    except OSError:
+        autogroup = None
+    return psutil.Process(pid).nice(), autogroup
+
+
 def _step(engine: Engine, run_id: int) -> int:
     with Session(engine) as s:
         states = rank_states(s, run_id)
@@ -121,6 +131,14 @@ def _step(engine: Engine, run_id: int) -> int:
 def test_stop_mid_run_leaves_no_process(engine: Engine) -> None:
     run_id = launch(engine, tiny(max_steps=1_000_000), CPU_MACHINE)
     wait_for(lambda: _step(engine, run_id) >= 5, 60)
+    # Meanwhile: the supervisor steps back for training (trainer.supervision.yield_cpu_to_training),
+    # and its workers keep the priority they were launched with.
+    wait_for(lambda: len(_run(engine, run_id).worker_pids) >= 2, 10)
+    running = _run(engine, run_id)
+    autogroups = Path("/proc/self/autogroup").exists()
+    assert priority(running.supervisor_pid or 0) == (min(19, os.nice(0) + SUPERVISOR_NICE),
+                                                     SUPERVISOR_NICE if autogroups else None)
+    assert {priority(pid) for pid in running.worker_pids} == {(os.nice(0), 0 if autogroups else None)}
     start = time.monotonic()
     assert stop(engine, run_id) == "stopped"
     assert time.monotonic() - start < 10

@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     from db.engine import make_engine
     from db.runs import add_event, finish_run
     from trainer.relay_server import RelayServer
-    from trainer.supervision import supervise
+    from trainer.supervision import supervise, yield_cpu_to_training
 
+    yield_cpu_to_training()  # torchrun keeps its priority; the relay's threads, started below, do not
     engine = make_engine(db_url)
     relay = RelayServer(engine, args.run_id, listener)
     try:
