@@ -69,8 +69,7 @@ class LogBuffer:
 
 
 def drain(queue: collections.deque) -> list:  # type: ignore[type-arg]
-    """Everything in `queue`, oldest first, taken out one by one: safe while another thread appends."""
-    out = []
-    while queue:
-        out.append(queue.popleft())
-    return out
+    """What is in `queue` now, oldest first, taken out one by one: safe while another thread appends
+    (what it appends meanwhile stays for the next time)."""
+    popleft = queue.popleft
+    return [popleft() for _ in range(len(queue))]
