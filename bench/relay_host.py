@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from db.engine import make_engine
+from trainer.launcher import supervisor_nice
 from trainer.relay import Listener
 from trainer.relay_server import RelayServer
 from trainer.supervision import yield_cpu_to_training
@@ -28,7 +29,7 @@ def main() -> None:
     p.add_argument("--db-url", required=True)
     p.add_argument("--run-id", type=int, required=True)
     args = p.parse_args()
-    yield_cpu_to_training()
+    yield_cpu_to_training(supervisor_nice())
     listener = Listener()
     server = RelayServer(make_engine(args.db_url), args.run_id, listener)
     print(json.dumps(listener.env()), flush=True)

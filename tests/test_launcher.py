@@ -16,8 +16,16 @@ from db.queries import events, metric_series, rank_states
 from db.runs import RunInfo, get_run
 from tests.conftest import CPU_MACHINE, tiny, wait_final, wait_for
 from trainer.config import ConfigInvalid, RunConfig
-from trainer.launcher import cli_command, launch, reconcile, stop, torchrun_argv, torchrun_env
-from trainer.supervision import SUPERVISOR_NICE
+from trainer.launcher import (
+    LaunchError,
+    cli_command,
+    launch,
+    reconcile,
+    stop,
+    supervisor_nice,
+    torchrun_argv,
+    torchrun_env,
+)
 
 
 # ---- pure builders --------------------------------------------------------------------------
@@ -55,6 +63,23 @@ def test_cli_command_lists_only_changed_settings() -> None:
 def test_invalid_config_launches_nothing_and_writes_nothing(engine: Engine, home: Path) -> None:
     with pytest.raises(ConfigInvalid, match="batch_size must be ≥ 1"):
         launch(engine, tiny(batch_size=0), CPU_MACHINE)
+    with Session(engine) as s:
+        from db.runs import list_runs
+
+        assert list_runs(s) == []
+    assert not (home / "runs").exists()
+
+
+def test_a_bad_supervisor_priority_is_refused_before_anything_is_written(
+    engine: Engine, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert supervisor_nice({}) == 10 and supervisor_nice({"DDPDASH_SUPERVISOR_NICE": "0"}) == 0
+    for bad in ("-5", "20", "low"):
+        with pytest.raises(LaunchError, match=f"SUPERVISOR_NICE must be a whole number from 0 to 19, got '{bad}'"):
+            supervisor_nice({"DDPDASH_SUPERVISOR_NICE": bad})
+    monkeypatch.setenv("DDPDASH_SUPERVISOR_NICE", "high")
+    with pytest.raises(LaunchError):
+        launch(engine, tiny(), CPU_MACHINE)
     with Session(engine) as s:
         from db.runs import list_runs
 
@@ -136,8 +161,8 @@ def test_stop_mid_run_leaves_no_process(engine: Engine) -> None:
     wait_for(lambda: len(_run(engine, run_id).worker_pids) >= 2, 10)
     running = _run(engine, run_id)
     autogroups = Path("/proc/self/autogroup").exists()
-    assert priority(running.supervisor_pid or 0) == (min(19, os.nice(0) + SUPERVISOR_NICE),
-                                                     SUPERVISOR_NICE if autogroups else None)
+    nice = supervisor_nice()
+    assert priority(running.supervisor_pid or 0) == (min(19, os.nice(0) + nice), nice if autogroups else None)
     assert {priority(pid) for pid in running.worker_pids} == {(os.nice(0), 0 if autogroups else None)}
     start = time.monotonic()
     assert stop(engine, run_id) == "stopped"

@@ -24,6 +24,7 @@ from db.migrate import SchemaError, open_store
 from db.queries import all_points, events, rank_states
 from db.runs import FINAL_STATUSES, RunNotFound, get_run, list_runs
 from trainer.config import ConfigInvalid, RunConfig, config_fields, detect_machine, field_choices, field_kind
+from trainer.launcher import LaunchError
 
 EXIT_BAD_INPUT = 2
 
@@ -260,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, RunNotFound, SchemaError) as exc:
         print(f"ddpdash: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except LaunchError as exc:
+        print(f"ddpdash: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

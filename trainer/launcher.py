@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +48,22 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 class LaunchError(RuntimeError):
     """The run could not be started."""
+
+
+NICE_ENV = "DDPDASH_SUPERVISOR_NICE"
+DEFAULT_SUPERVISOR_NICE = 10  # about a tenth of a rank's CPU share under full contention: plenty to write metrics
+
+
+def supervisor_nice(env: Mapping[str, str] | None = None) -> int:
+    """How far a run's supervisor steps back for its training processes (trainer.supervision.
+    yield_cpu_to_training): DDPDASH_SUPERVISOR_NICE, 0–19, default 10. launch() checks it before it
+    writes or starts anything; the supervisor reads it from the environment it inherits."""
+    raw = (os.environ if env is None else env).get(NICE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_SUPERVISOR_NICE
+    if not raw.isdigit() or int(raw) > 19:
+        raise LaunchError(f"{NICE_ENV} must be a whole number from 0 to 19, got {raw!r}")
+    return int(raw)
 
 
 class StopError(RuntimeError):
@@ -125,6 +142,7 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     from db.runs import create_run, finish_run, update_run
 
     check(cfg, machine)  # raises ConfigInvalid before anything is written
+    supervisor_nice()  # and LaunchError for a bad DDPDASH_SUPERVISOR_NICE
     db_url = db_url or engine.url.render_as_string(hide_password=False) or default_db_url()
     with Session(engine) as s, s.begin():
         run_id = create_run(s, key=f"ddpdash-{uuid.uuid4()}", name=cfg.name, config_json=cfg.to_json(),

@@ -22,12 +22,9 @@ from trainer.relay_server import RelayServer
 log = logging.getLogger("trainer.supervisor")
 POLL_S = 0.2
 HEARTBEAT_S = 2.0
-# How far the supervisor steps back for training when CPUs are short (10: about a tenth of a rank's
-# share under full contention — still tens of times what writing the metrics takes).
-SUPERVISOR_NICE = int(os.environ.get("DDPDASH_SUPERVISOR_NICE", "10"))
 
 
-def yield_cpu_to_training(nice: int = SUPERVISOR_NICE) -> None:
+def yield_cpu_to_training(nice: int) -> None:
     """Lower the supervisor's CPU priority, so that writing the ranks' metrics waits for a free core
     rather than preempt a rank: with DDP, a rank held back holds every rank back at the next
     all-reduce. Call it once torchrun is started (which keeps the workers' priority) and before any
@@ -37,7 +34,8 @@ def yield_cpu_to_training(nice: int = SUPERVISOR_NICE) -> None:
     most servers, for processes outside a CPU cgroup), the scheduler first shares the CPUs between
     sessions, and torchrun gives each worker a session of its own, so the weight of the supervisor's
     session (itself and the torchrun agent) is what counts; otherwise each thread's nice value does.
-    Best effort: where either is refused, it is left as it was."""
+    `nice`: trainer.launcher.supervisor_nice(). Best effort: where either is refused, it is left as it
+    was."""
     for _ in range(3):  # the kernel takes one change of an autogroup per 0.1 s, machine-wide
         try:
             with open("/proc/self/autogroup", "w") as f:

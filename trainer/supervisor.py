@@ -17,7 +17,7 @@ from pathlib import Path
 
 from db.paths import default_db_url
 from trainer.config import RunConfig
-from trainer.launcher import descendants, spawn_torchrun, terminate_run
+from trainer.launcher import descendants, spawn_torchrun, supervisor_nice, terminate_run
 from trainer.relay import Listener
 
 log = logging.getLogger("trainer.supervisor")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.relay_server import RelayServer
     from trainer.supervision import supervise, yield_cpu_to_training
 
-    yield_cpu_to_training()  # torchrun keeps its priority; the relay's threads, started below, do not
+    yield_cpu_to_training(supervisor_nice())  # torchrun keeps its priority; the relay's threads, below, do not
     engine = make_engine(db_url)
     relay = RelayServer(engine, args.run_id, listener)
     try:
