@@ -135,6 +135,29 @@ def test_every_rollup_matches_the_points_it_summarises(engine: Engine, monkeypat
     pd.testing.assert_frame_equal(got, expected.loc[:, got.columns].sort_index(), check_dtype=False)
 
 
+def test_a_long_outage_keeps_the_newest_steps_and_counts_the_rest(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_id = make_run(engine)
+    relayed = MetricWriter(engine, run_id, 0, flush_interval_s=3600)
+    monkeypatch.setattr(writer, "MAX_BUFFERED_LOGS", 250)
+    original = writer.execute_many
+
+    def refuse(*args: object) -> None:
+        raise OperationalError("INSERT", {}, Exception("database is locked"))
+
+    monkeypatch.setattr(writer, "execute_many", refuse)
+    for start in range(1, 501, 100):  # five batches of 100 steps, each refused
+        relayed.log_groups(group_logs([(step, float(step), {"loss": 1.0}) for step in range(start, start + 100)]))
+        with pytest.raises(OperationalError):
+            relayed.flush()
+    monkeypatch.setattr(writer, "execute_many", original)
+    relayed.close()
+    assert relayed.dropped == 300  # whole batches, oldest first, until at most 250 steps wait
+    with Session(engine) as s:
+        assert metric_series(s, run_id, "loss", max_points=10_000)["step"].tolist() == list(range(301, 501))
+
+
 def loop_values(step: int) -> dict[str, float]:
     values = {"loss": ((step * 7919) % 1000) / 10.0, "lr": 0.1 / (1 + step // 500)}
     if step % 100 == 0:
