@@ -110,9 +110,12 @@ def quads(segments: list[list[object]]) -> list[tuple[float, bool]]:
 
 @dataclass(frozen=True)
 class Overhead:
-    """Logging's cost from quad ratios: what every step pays (the median quad without a batch) plus
-    what a batch costs (the median quad with one, less that) times the share of quads with one — the
-    cadence of the sink's own timer. Medians, so that a burst of the host's noise does not count."""
+    """Logging's cost from quad ratios: what every step pays (the median quiet quad) plus what a batch
+    costs, times the share of quads with one. A batch costs its own quad's excess (the median quad that
+    sent one, less the every-step part) and the next quad's: with no idle core the supervisor may
+    still be writing it there, and that lands in the next quad's unlogged first segment as often as
+    not — counted as quiet, it would read below 1 and hide part of the cost. Medians, so that a burst
+    of the host's noise does not count."""
 
     total: float
     per_step: float
@@ -120,15 +123,20 @@ class Overhead:
     quads: int
 
     @classmethod
-    def of(cls, quads: list[tuple[float, bool]]) -> Overhead:
-        quiet = [r for r, woke in quads if not woke]
-        busy = [r for r, woke in quads if woke]
+    def of(cls, runs: list[list[tuple[float, bool]]]) -> Overhead:
+        """`runs`: each run's quads in order, (ratio, sent a batch)."""
+        quiet, busy, after = [], [], []
+        for quads in runs:
+            for i, (ratio, woke) in enumerate(quads):
+                (busy if woke else after if i and quads[i - 1][1] else quiet).append(ratio)
+        count = len(quiet) + len(busy) + len(after)
         if not quiet or not busy:  # a batch in every quad (or none): one median says it all
-            med = statistics.median(r for r, _ in quads)
-            return cls(med, med, 0.0, len(quads))
+            med = statistics.median(busy + quiet + after)
+            return cls(med, med, 0.0, count)
         per_step = statistics.median(quiet)
-        batches = (statistics.median(busy) - per_step) * len(busy) / len(quads)
-        return cls(per_step + batches, per_step, batches, len(quads))
+        excess = statistics.median(busy) - per_step + (statistics.median(after) - per_step if after else 0.0)
+        batches = excess * len(busy) / count
+        return cls(per_step + batches, per_step, batches, count)
 
     def describe(self) -> str:
         return (f"{self.total:.4f}× = every step {self.per_step:.4f}× {self.batches:+.2%} for the batches "
@@ -139,9 +147,8 @@ def compare_segmented(variants: list[str], steps: int, repeats: int, ranks: int,
     runs = interleaved({name: (lambda n=name: run_segmented(n, steps, ranks, segment)) for name in variants}, repeats)
     found = {}
     for name, per_run in runs.items():
-        pooled = [q for run in per_run for q in run]
-        found[name] = Overhead.of(pooled)
-        spread = [Overhead.of(run).total for run in per_run]
+        found[name] = Overhead.of(per_run)
+        spread = [Overhead.of([run]).total for run in per_run]
         print(f"  {name}: {found[name].describe()}; per run {', '.join(f'{x:.4f}×' for x in spread)}")
     return found
 

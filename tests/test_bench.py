@@ -24,3 +24,15 @@ def test_every_benchmark_runs_and_prints_a_result_line_per_target(tmp_path) -> N
     targets = [m.group(0).split(":")[0] for m in LINE.finditer(summary)]
     # logging ×2 (1 process, 2 ranks), ingest ×2, chart, live, trainer, launch
     assert len(targets) == 8, summary
+
+
+def test_a_batch_costs_its_quad_and_what_spills_into_the_next() -> None:
+    from bench.logging_overhead import Overhead
+
+    # Ten quads a batch: the batch's quad 20 % slower, the quad after it 5 % faster (the supervisor
+    # still writing during its unlogged first segment), the rest at 1.
+    run = [(1.2, True), (0.95, False), *[(1.0, False)] * 8] * 5
+    found = Overhead.of([run, run])
+    assert found.per_step == 1.0 and found.quads == 100
+    assert abs(found.batches - (0.2 - 0.05) / 10) < 1e-12
+    assert Overhead.of([[(1.01, False)] * 4]).total == 1.01  # no batch at all: the median
