@@ -17,7 +17,14 @@ from pathlib import Path
 
 from db.paths import default_db_url
 from trainer.config import RunConfig
-from trainer.launcher import descendants, spawn_torchrun, supervisor_nice, terminate_run
+from trainer.launcher import (
+    DEFAULT_SUPERVISOR_NICE,
+    LaunchError,
+    descendants,
+    spawn_torchrun,
+    supervisor_nice,
+    terminate_run,
+)
 from trainer.relay import Listener
 
 log = logging.getLogger("trainer.supervisor")
@@ -34,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     db_url = default_db_url()
     # torchrun first, the database after: every import before this line is launch latency.
     cfg = RunConfig.from_json((args.run_dir / "config.json").read_text())
+    nice = _nice()  # before torchrun starts: nothing after it may fail and leave training unsupervised
     listener = Listener()  # the ranks' metrics come here (trainer/relay.py); they queue until accepted
     proc = spawn_torchrun(cfg, args.run_dir, args.run_id, db_url, listener.env())
     from sqlalchemy.orm import Session
@@ -43,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.relay_server import RelayServer
     from trainer.supervision import supervise, yield_cpu_to_training
 
-    yield_cpu_to_training(supervisor_nice())  # torchrun keeps its priority; the relay's threads, below, do not
+    yield_cpu_to_training(nice)  # torchrun keeps its priority; the relay's threads, started below, do not
     engine = make_engine(db_url)
     relay = RelayServer(engine, args.run_id, listener)
     try:
@@ -58,6 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("run %d %s", args.run_id, status)
     return 0
+
+
+def _nice() -> int:
+    """launch() has checked the setting; a supervisor started some other way falls back to the default."""
+    try:
+        return supervisor_nice()
+    except LaunchError as exc:
+        log.warning("%s; using %d", exc, DEFAULT_SUPERVISOR_NICE)
+        return DEFAULT_SUPERVISOR_NICE
 
 
 if __name__ == "__main__":
