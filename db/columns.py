@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from db.buffer import LogRow
@@ -60,13 +60,6 @@ def unpack(packed: Sequence[PackedGroup]) -> list[Group]:
             raise ValueError("a packed group's columns differ in length")
         groups.append(group)
     return groups
-
-
-def rows_of(groups: Sequence[Group]) -> Iterator[LogRow]:
-    """The steps of `groups`, in order, one (step, time, values) each."""
-    for names, steps, times, columns in groups:
-        for step, at, *vals in zip(steps, times, *columns, strict=True):
-            yield step, at, dict(zip(names, vals, strict=True))
 
 
 def steps_in(groups: Iterable[Group]) -> int:

@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from db.buffer import LogRow
-from db.columns import group_logs, pack, rows_of, unpack
+from db.columns import group_logs, pack, unpack
 from db.queries import count_points, events, metric_series, rank_states
 from db.runs import get_run
 from tests.conftest import ROOT, make_run, wait_for
@@ -201,7 +201,11 @@ def test_steps_survive_packing_whatever_they_log() -> None:
 
 
 def through_the_wire(logs: list[LogRow]) -> list[LogRow]:
-    return list(rows_of(unpack(marshal.loads(marshal.dumps(pack(group_logs(logs)))))))
+    """Steps as the supervisor receives them, one (step, time, values) each again."""
+    groups = unpack(marshal.loads(marshal.dumps(pack(group_logs(logs)))))
+    return [(step, at, dict(zip(names, vals, strict=True)))
+            for names, steps, times, columns in groups
+            for step, at, *vals in zip(steps, times, *columns, strict=True)]
 
 
 def test_malformed_frames_are_rejected() -> None:
