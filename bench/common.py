@@ -33,6 +33,17 @@ class Result:
         return f"{self.target}: {self.measured} (target {self.goal}) {'PASS' if self.passed else 'MISS'}"
 
 
+# The baselines' table: one row per point, as ddpdash stored points before it stored chunks (and as a
+# metrics table usually looks), with the same index and foreign key.
+ROW_TABLE_DDL = (
+    "CREATE TABLE IF NOT EXISTS point_rows (id INTEGER PRIMARY KEY, run_id INTEGER NOT NULL REFERENCES runs (id) "
+    "ON DELETE CASCADE, rank INTEGER NOT NULL, step INTEGER NOT NULL, name VARCHAR(64) NOT NULL, "
+    "value FLOAT NOT NULL, time FLOAT NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS ix_point_rows_run_name_step ON point_rows (run_id, name, step)",
+)
+INSERT_ROW_SQL = "INSERT INTO point_rows (run_id, rank, step, name, value, time) VALUES (?,?,?,?,?,?)"
+
+
 def median_spread(values: list[float]) -> tuple[float, float]:
     """Median and spread (max − min) of repeated measurements."""
     return statistics.median(values), (max(values) - min(values)) if values else 0.0
@@ -127,14 +138,13 @@ class Store:
 
     def check_complete(self, expected: int) -> None:
         """Every logged point is in the database: a fast writer that loses points would be no writer."""
-        from sqlalchemy import func, select
         from sqlalchemy.orm import Session
 
-        from db.models import MetricPoint
+        from db.queries import count_points
 
         self.drain()
         with Session(self.engine) as s:
-            stored = s.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.run_id == self.run_id))
+            stored = count_points(s, self.run_id)
         self.engine.dispose()
         if stored != expected:
             raise SystemExit(f"ddpdash stored {stored} points, the loop logged {expected}")

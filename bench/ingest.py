@@ -1,7 +1,8 @@
 """Target 2 — ingest throughput: points per second into SQLite through ddpdash's own writer path
 (MetricWriter.log → background flush, rollups included), one writer and 4 concurrent writer processes,
-against raw `sqlite3.executemany` into the same table in WAL mode, measured in the same run.
-Target ≥ 60% of raw, 0 errors, stored count = logged count.
+against raw `sqlite3.executemany` of one row per point (bench.common.ROW_TABLE_DDL: the layout ddpdash used
+before it stored points in chunks, index and foreign key included) in WAL mode, in the same database
+file, measured in the same run. Target ≥ 60% of raw, 0 errors, stored count = logged count.
 
     python bench/ingest.py [--quick | --smoke]
 """
@@ -16,13 +17,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import Result, describe, interleaved, median_spread, ratios, run_main
+from bench.common import INSERT_ROW_SQL, ROW_TABLE_DDL, Result, describe, interleaved, median_spread, ratios, run_main
 
 METRICS = ("loss", "samples_per_s", "step_time", "data_time")
 BATCH = 10_000
 
 
 def _new_db(folder: str) -> tuple[str, int]:
+    from sqlalchemy import text
     from sqlalchemy.orm import Session
 
     from db.migrate import open_store
@@ -32,6 +34,8 @@ def _new_db(folder: str) -> tuple[str, int]:
     engine = open_store(url)
     with Session(engine) as s, s.begin():
         run_id = create_run(s, key="bench", name="bench", config_json="{}", world_size=4)
+        for ddl in ROW_TABLE_DDL:
+            s.execute(text(ddl))
     engine.dispose()
     return url, run_id
 
@@ -54,16 +58,17 @@ def _raw_writer(url: str, run_id: int, rank: int, steps: int) -> int:
     now = time.time()
     rows = [(run_id, rank, step, name, 1.0 / step, now) for step in range(1, steps + 1) for name in METRICS]
     for i in range(0, len(rows), BATCH):
-        conn.executemany("INSERT INTO metric_points (run_id, rank, step, name, value, time) VALUES (?,?,?,?,?,?)",
-                         rows[i : i + BATCH])
+        conn.executemany(INSERT_ROW_SQL, rows[i : i + BATCH])
         conn.commit()
     conn.close()
     return len(rows)
 
 
-def _stored(url: str) -> int:
+def _stored(url: str, kind: str) -> int:
     conn = sqlite3.connect(url.removeprefix("sqlite:///"))
-    (count,) = conn.execute("SELECT count(*) FROM metric_points").fetchone()
+    query = ("SELECT coalesce(sum(count), 0) FROM metric_chunks" if kind == "ddpdash"
+             else "SELECT count(*) FROM point_rows")
+    (count,) = conn.execute(query).fetchone()
     conn.close()
     return int(count)
 
@@ -78,7 +83,7 @@ def _run(kind: str, writers: int, steps: int) -> tuple[float, int, int]:
             start = time.perf_counter()
             logged = sum(pool.starmap(target, [(url, run_id, r, steps) for r in range(writers)]))
             elapsed = time.perf_counter() - start
-        return logged / elapsed, _stored(url), logged
+        return logged / elapsed, _stored(url, kind), logged
 
 
 def measure(steps: int, repeats: int) -> list[Result]:

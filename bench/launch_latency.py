@@ -50,7 +50,7 @@ def ddpdash_launch(home: Path) -> float:
     run_id = launch(engine, cfg, CPU)
     try:
         for polls in itertools.count():
-            if watch.execute("SELECT 1 FROM metric_points WHERE run_id = ? LIMIT 1", (run_id,)).fetchone():
+            if watch.execute("SELECT 1 FROM metric_chunks WHERE run_id = ? LIMIT 1", (run_id,)).fetchone():
                 return time.time() - start
             if polls % 100 == 99:
                 status = watch.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()[0]

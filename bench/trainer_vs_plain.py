@@ -15,11 +15,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from bench.common import ROOT, Result, Store, describe, interleaved, median_spread, ratios, run_main
-from db.models import MetricPoint
+from db.chunks import read_points
 from trainer.config import RunConfig
 
 BATCH, WIDTH, WARMUP = 32, 64, 50
@@ -53,9 +52,8 @@ def ddpdash(steps: int, **changes: object) -> float:
                  store.url, env=store.env)
         store.drain()
         with Session(store.engine) as s:
-            stamps = dict(s.execute(select(MetricPoint.step, MetricPoint.time).where(
-                MetricPoint.run_id == store.run_id, MetricPoint.rank == 0, MetricPoint.name == "loss",
-                MetricPoint.step.in_((WARMUP, steps)))).all())
+            loss = read_points(s, store.run_id, name="loss", rank=0)
+        stamps = dict(zip(loss.step.tolist(), loss.time.tolist(), strict=True))
         store.engine.dispose()
         return (steps - WARMUP) * BATCH * 2 / (stamps[steps] - stamps[WARMUP])
 

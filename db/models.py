@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Float, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING_CONVENTION = {
@@ -49,19 +49,26 @@ class Run(Base):
     notes: Mapped[str] = mapped_column(Text, default="")
 
 
-class MetricPoint(Base):
-    __tablename__ = "metric_points"
+class MetricChunk(Base):
+    """The points of one metric of one rank from one write: steps, values and times as packed
+    little-endian arrays (int64, float64, float64; db/chunks.py). A batch of 200 steps and 3 metrics
+    is 3 rows, not 600: the writer's insert costs a few rows per batch, and a point takes 24 bytes."""
+
+    __tablename__ = "metric_chunks"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     rank: Mapped[int] = mapped_column(Integer)
-    step: Mapped[int] = mapped_column(Integer)
     name: Mapped[str] = mapped_column(String(64))
-    value: Mapped[float] = mapped_column(Float)
-    time: Mapped[float] = mapped_column(Float)
+    step_min: Mapped[int] = mapped_column(Integer)
+    step_max: Mapped[int] = mapped_column(Integer)
+    count: Mapped[int] = mapped_column(Integer)
+    step_data: Mapped[bytes] = mapped_column(LargeBinary)
+    value_data: Mapped[bytes] = mapped_column(LargeBinary)
+    time_data: Mapped[bytes] = mapped_column(LargeBinary)
 
-    # Step before rank: "points after step N" (live refresh) is then one range scan for all ranks.
-    __table_args__ = (Index("ix_metric_points_run_name_step", "run_id", "name", "step"),)
+    # "Points after step N" (live refresh) is one range scan for all ranks: the chunks that end after N.
+    __table_args__ = (Index("ix_metric_chunks_run_name_step_max", "run_id", "name", "step_max"),)
 
 
 class MetricRollup(Base):

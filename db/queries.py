@@ -9,10 +9,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import func, literal, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup, RankState, RunEvent
+from db.chunks import read_points
+from db.models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, RunEvent
+from db.rollup import roll_up
 
 DEFAULT_POINT_BUDGET = 1000  # points per line: more than a chart's width in pixels
 
@@ -98,38 +100,36 @@ def _plain_rows(s: Session, stmt: Any) -> list[tuple[Any, ...]]:
 
 
 def _raw_points(s: Session, run_id: int, name: str, after_step: int) -> pd.DataFrame:
-    p = MetricPoint.__table__.c
-    return _series_frame(_plain_rows(s,
-        select(p.rank, p.step, p.value, p.value, p.value, p.time, literal(1))
-        .where(p.run_id == run_id, p.name == name, p.step > after_step)
-        .order_by(p.rank, p.step)
-    ))
+    points = read_points(s, run_id, name=name, after_step=after_step)
+    ones = np.ones(len(points), dtype=np.int64)
+    return pd.DataFrame({"rank": points.rank, "step": points.step, "value": points.value, "vmin": points.value,
+                         "vmax": points.value, "time": points.time, "count": ones}, columns=SERIES_COLUMNS)
 
 
 def _regroup_raw(s: Session, run_id: int, name: str, width: int, after_step: int) -> pd.DataFrame:
-    p = MetricPoint.__table__.c
-    bucket = p.step // width
-    return _series_frame(_plain_rows(s,
-        select(p.rank, func.max(p.step), func.avg(p.value), func.min(p.value), func.max(p.value), func.max(p.time),
-               func.count())
-        .where(p.run_id == run_id, p.name == name, p.step > after_step)
-        .group_by(p.rank, bucket).order_by(p.rank, bucket)
-    ))
+    """Buckets of `width` steps from the raw points (for spans too short for the finest rollup), rolled
+    up as at ingest: value is the bucket's mean, step its last step."""
+    points = read_points(s, run_id, name=name, after_step=after_step)
+    rows = []
+    for rank in np.unique(points.rank).tolist():
+        mine = points.where(points.rank == rank)
+        [buckets] = roll_up(mine.step, mine.value[np.newaxis, :], mine.time, (width,), [{}])
+        rows.extend((rank, b[2], b[5] / b[6], b[3], b[4], b[7], b[6]) for _, b in buckets)
+    return _series_frame(rows)
 
 
 def all_points(s: Session, run_id: int) -> pd.DataFrame:
     """Every stored point of a run (for export): rank, step, metric, value, time."""
-    rows = s.execute(
-        select(MetricPoint.rank, MetricPoint.step, MetricPoint.name, MetricPoint.value, MetricPoint.time)
-        .where(MetricPoint.run_id == run_id).order_by(MetricPoint.rank, MetricPoint.step, MetricPoint.name)
-    ).all()
-    return _frame(rows, ["rank", "step", "metric", "value", "time"])
+    points = read_points(s, run_id)
+    order = np.lexsort((points.name.astype(str), points.step, points.rank))
+    return pd.DataFrame({"rank": points.rank[order], "step": points.step[order], "metric": points.name[order],
+                         "value": points.value[order], "time": points.time[order]})
 
 
 def count_points(s: Session, run_id: int, name: str | None = None) -> int:
-    q = select(func.count()).select_from(MetricPoint).where(MetricPoint.run_id == run_id)
+    q = select(func.sum(MetricChunk.count)).where(MetricChunk.run_id == run_id)
     if name:
-        q = q.where(MetricPoint.name == name)
+        q = q.where(MetricChunk.name == name)
     return int(s.scalar(q) or 0)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
 
-from db.models import MetricPoint, MetricRollup, RankState, Run, RunEvent
+from db.models import MetricChunk, MetricRollup, RankState, Run, RunEvent
 
 ACTIVE_STATUSES = ("queued", "running", "stopping")
 FINAL_STATUSES = ("succeeded", "failed", "stopped", "lost")
@@ -140,7 +140,7 @@ def list_runs(s: Session, *, statuses: tuple[str, ...] | None = None, limit: int
 
 
 def delete_run_rows(s: Session, run_id: int) -> None:
-    for model in (MetricPoint, MetricRollup, RankState, RunEvent):
+    for model in (MetricChunk, MetricRollup, RankState, RunEvent):
         s.execute(delete(model).where(model.run_id == run_id))
     s.execute(delete(Run).where(Run.id == run_id))
 

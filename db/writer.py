@@ -13,7 +13,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,17 +21,17 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from db.buffer import MAX_BUFFERED_LOGS, EventRow, LogBuffer, drain
+from db.chunks import CHUNK_COLUMNS, chunk_rows, discard_after, read_points
 from db.columns import Group, group_logs, last_step, steps_in
-from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup, RankState, Run, RunEvent
+from db.models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, Run, RunEvent
 from db.rollup import Bucket, roll_up, sorted_by_step
 
 log = logging.getLogger(__name__)
 
-POINT_COLUMNS = ("run_id", "rank", "step", "name", "value", "time")
 ROLLUP_COLUMNS = ("run_id", "name", "width", "rank", "bucket", "step_min", "step_max", "vmin", "vmax", "vsum",
                   "count", "time_max", "vlast")
 # The statements of every flush, compiled once (execute_many).
-_INSERT_POINTS = insert(MetricPoint)
+_INSERT_CHUNKS = insert(MetricChunk)
 _INSERT_ROLLUPS = insert(MetricRollup)
 _DELETE_ROLLUPS_FROM = delete(MetricRollup).where(
     MetricRollup.run_id == bindparam("r"), MetricRollup.rank == bindparam("k"), MetricRollup.name == bindparam("n"),
@@ -158,13 +157,12 @@ class MetricWriter(LogBuffer):
 
     def _write(self, groups: list[Group], events: list[EventRow]) -> None:
         run_id, rank = self.run_id, self.rank
-        points = _points(run_id, rank, groups)
+        chunks = chunk_rows(run_id, rank, groups)
         rollups = self._roll_up(_series(groups))
         step = last_step(groups)
         alive_at = self.alive_at()
         with self.engine.begin() as conn:
-            if points:
-                execute_many(conn, _INSERT_POINTS, POINT_COLUMNS, points)
+            execute_many(conn, _INSERT_CHUNKS, CHUNK_COLUMNS, chunks)
             if rollups.rows:
                 execute_many(conn, _DELETE_ROLLUPS_FROM, _DELETE_ROLLUPS_PARAMS, [
                     (run_id, rank, name, width, bucket) for (name, width), bucket in rollups.rewrite_from.items()
@@ -181,7 +179,7 @@ class MetricWriter(LogBuffer):
             execute_many(conn, _UPDATE_RANK, _UPDATE_RANK_PARAMS,
                          [(self._status, self._step if step is None else step, alive_at, run_id, rank)])
         self._open.update(rollups.still_open)
-        self.written_points += len(points)
+        self.written_points += sum(len(steps) * len(names) for names, steps, _, _ in groups)
         if step is not None:
             self._step = step
 
@@ -227,34 +225,14 @@ class MetricWriter(LogBuffer):
 
     def _discard_after(self, s: Session, step: int) -> None:
         """A restarted attempt repeats the steps after its checkpoint: drop what the failed one wrote."""
-        run_id, rank = self.run_id, self.rank
-        s.execute(delete(MetricPoint).where(
-            MetricPoint.run_id == run_id, MetricPoint.rank == rank, MetricPoint.step > step))
-        s.execute(delete(MetricRollup).where(MetricRollup.run_id == run_id, MetricRollup.rank == rank))
+        discard_after(s, self.run_id, self.rank, step)
+        s.execute(delete(MetricRollup).where(MetricRollup.run_id == self.run_id, MetricRollup.rank == self.rank))
         # Rebuild this rank's rollups from the points that remain, with the same code as ingest.
-        per_name: dict[str, tuple[list[int], list[float], list[float]]] = {}
-        for name, point_step, value, t in s.execute(
-            select(MetricPoint.name, MetricPoint.step, MetricPoint.value, MetricPoint.time)
-            .where(MetricPoint.run_id == run_id, MetricPoint.rank == rank)
-            .order_by(MetricPoint.name, MetricPoint.step)
-        ):
-            per = per_name.setdefault(name, ([], [], []))
-            per[0].append(point_step)
-            per[1].append(value)
-            per[2].append(t)
-        rollups = self._roll_up([((name,), np.array(st, dtype=np.int64), np.array([v], dtype=np.float64),
-                                  np.array(t, dtype=np.float64)) for name, (st, v, t) in per_name.items()])
+        points = read_points(s, self.run_id, rank=self.rank)
+        rollups = self._roll_up([((name,), metric.step, metric.value[np.newaxis, :], metric.time)
+                                 for name, metric in points.per_metric()])
         execute_many(s.connection(), _INSERT_ROLLUPS, ROLLUP_COLUMNS, rollups.rows)
         self._open = rollups.still_open  # the caller's transaction ends before the writer writes again
-
-
-def _points(run_id: int, rank: int, groups: list[Group]) -> list[tuple[object, ...]]:
-    """The point rows, built in C (zip over the columns), not one Python loop per point."""
-    points: list[tuple[object, ...]] = []
-    for names, steps, times, columns in groups:
-        for name, column in zip(names, columns, strict=True):
-            points.extend(zip(repeat(run_id), repeat(rank), steps, repeat(name), column, times, strict=False))
-    return points
 
 
 def _series(groups: list[Group]) -> list[Series]:

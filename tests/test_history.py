@@ -10,7 +10,7 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from dashboard import history
-from db.models import MetricPoint, MetricRollup, RankState, RunEvent
+from db.models import MetricChunk, MetricRollup, RankState, RunEvent
 from db.runs import get_run, list_runs, update_run
 from tests.seed import seed_run
 from trainer.config import RunConfig
@@ -172,7 +172,7 @@ def test_delete_removes_every_row_and_file_of_a_run_and_nothing_else(engine: Eng
             add_event(s, run_id, "note", "hello")
         folders[run_id] = folder
     delete_run(engine, doomed)
-    for model in (MetricPoint, MetricRollup, RankState, RunEvent):
+    for model in (MetricChunk, MetricRollup, RankState, RunEvent):
         assert _count(engine, model, doomed) == 0
         assert _count(engine, model, keep) > 0
     assert not folders[doomed].exists() and (folders[keep] / "checkpoint.pt").exists()

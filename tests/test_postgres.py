@@ -7,15 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from dashboard import history
+from db.engine import make_engine
 from db.migrate import current_revision, head_revision, open_store
 from db.queries import count_points, metric_series, rank_states
 from db.writer import MetricWriter
 from tests.conftest import make_run, run_in_dir, tiny, torchrun_by_hand
 from tests.pg import postgres_server
+from tests.test_migrations import check_points_survive_the_chunk_migration
 from trainer.launcher import delete_run
 
 
@@ -35,6 +37,12 @@ def pg(pg_url: str) -> Iterator[Engine]:
 def test_migrations_reach_head_and_are_idempotent(pg: Engine, pg_url: str) -> None:
     assert current_revision(pg) == head_revision()
     open_store(pg_url).dispose()  # a second open is a no-op
+
+
+def test_points_survive_the_move_to_chunks_on_postgres(pg: Engine) -> None:
+    with pg.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("CREATE DATABASE from_0001"))
+    check_points_survive_the_chunk_migration(make_engine(pg.url.set(database="from_0001")))
 
 
 def test_writer_and_downsampling_on_postgres(pg: Engine) -> None:

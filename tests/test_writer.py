@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 from db import writer
 from db.columns import group_logs
 from db.engine import make_engine
-from db.models import ROLLUP_WIDTHS, MetricPoint, MetricRollup
-from db.queries import count_points, metric_series, rank_states
+from db.models import ROLLUP_WIDTHS, MetricRollup
+from db.queries import all_points, count_points, metric_series, rank_states
 from db.writer import MetricWriter
 from tests.conftest import make_run, wait_for
 
@@ -125,8 +125,7 @@ def test_every_rollup_matches_the_points_it_summarises(engine: Engine, monkeypat
     direct.close()
     relayed.close()
     with Session(engine) as s:
-        points = pd.read_sql(select(MetricPoint.rank, MetricPoint.name, MetricPoint.step, MetricPoint.value,
-                                    MetricPoint.time), s.connection())
+        points = all_points(s, run_id).rename(columns={"metric": "name"})
         rollups = pd.read_sql(select(MetricRollup).where(MetricRollup.run_id == run_id), s.connection())
     assert len(points) == 2 * sum(len(values) for _, _, values in steps)
     assert not points.duplicated(["rank", "name", "step"]).any()
@@ -200,8 +199,11 @@ def test_points_after_a_step_only(engine: Engine) -> None:
 
 
 def test_resume_discards_steps_after_the_checkpoint(engine: Engine) -> None:
+    """Stored in chunks 1–997 and 998–1000: the first is cut at the checkpoint, the second dropped;
+    the other rank keeps everything."""
     run_id = make_run(engine)
-    write_series(engine, run_id, 0, 1000)
+    values = write_series(engine, run_id, 0, 1000)
+    write_series(engine, run_id, 1, 1000)
     w = MetricWriter(engine, run_id, 0, flush_interval_s=3600, attempt=1, resume_after_step=600)
     for i in range(601, 701):
         w.log(i, {"loss": -1.0})
@@ -209,9 +211,14 @@ def test_resume_discards_steps_after_the_checkpoint(engine: Engine) -> None:
     with Session(engine) as s:
         raw = metric_series(s, run_id, "loss", max_points=10_000)
         coarse = metric_series(s, run_id, "loss", max_points=20)
-    assert raw["step"].tolist() == list(range(1, 701))
-    assert raw["step"].is_unique
-    assert coarse["count"].sum() == 700 and coarse["vmin"].min() == -1.0
+        exported = all_points(s, run_id)
+        stored = count_points(s, run_id)
+    rank0, rank1 = raw[raw["rank"] == 0], raw[raw["rank"] == 1]
+    assert rank0["step"].tolist() == list(range(1, 701))
+    assert rank0["value"].tolist() == values[:600] + [-1.0] * 100
+    assert rank1["step"].tolist() == list(range(1, 1001))
+    assert coarse[coarse["rank"] == 0]["count"].sum() == 700 and coarse["vmin"].min() == -1.0
+    assert stored == len(exported) == 1700
 
 
 def _writer_process(db_url: str, run_id: int, rank: int, n: int) -> None:

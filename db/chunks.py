@@ -1,0 +1,118 @@
+"""Raw points as chunks: one `metric_chunks` row per metric of each group a writer writes (db/columns.py),
+its steps, values and times as packed arrays. Rows are built from the groups' arrays as they are (no
+row per point) and read back with numpy (no Python object per point)."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from db.columns import Group
+from db.models import MetricChunk
+
+# Stored little-endian whatever the host, so that every machine of a multi-node run reads every row.
+STEP_DTYPE = np.dtype("<i8")
+FLOAT_DTYPE = np.dtype("<f8")
+CHUNK_COLUMNS = ("run_id", "rank", "name", "step_min", "step_max", "count", "step_data", "value_data", "time_data")
+
+
+class Points(NamedTuple):
+    """Points as parallel arrays, ordered by rank, then step (ties in the order they were written)."""
+
+    rank: np.ndarray
+    name: np.ndarray  # of str
+    step: np.ndarray
+    value: np.ndarray
+    time: np.ndarray
+
+    def __len__(self) -> int:  # type: ignore[override]  # the point count, not the field count
+        return len(self.step)
+
+    def where(self, keep: np.ndarray) -> Points:
+        return Points(*(column[keep] for column in self))
+
+    def per_metric(self) -> list[tuple[str, Points]]:
+        """Each metric's points, the metrics in the order they first appear."""
+        return [(name, self.where(self.name == name)) for name in dict.fromkeys(self.name.tolist())]
+
+
+def chunk_rows(run_id: int, rank: int, groups: Iterable[Group]) -> list[tuple[object, ...]]:
+    """The rows (in CHUNK_COLUMNS order) of these groups: one per metric of each group."""
+    rows: list[tuple[object, ...]] = []
+    for names, steps, times, columns in groups:
+        if not names or not steps:
+            continue
+        step_data, time_data = _little_endian(steps), _little_endian(times)
+        lo, hi = min(steps), max(steps)
+        rows.extend((run_id, rank, name, lo, hi, len(steps), step_data, _little_endian(column), time_data)
+                    for name, column in zip(names, columns, strict=True))
+    return rows
+
+
+def encode(steps: np.ndarray, values: np.ndarray, times: np.ndarray) -> dict[str, Any]:
+    """The packed columns of one chunk, from numpy arrays."""
+    return {"step_min": int(steps.min()), "step_max": int(steps.max()), "count": len(steps),
+            "step_data": steps.astype(STEP_DTYPE).tobytes(), "value_data": values.astype(FLOAT_DTYPE).tobytes(),
+            "time_data": times.astype(FLOAT_DTYPE).tobytes()}
+
+
+def decode(rows: Sequence[Sequence[Any]]) -> Points:
+    """Points from (rank, name, step_data, value_data, time_data) rows (bytes, or the memoryview some
+    PostgreSQL drivers return), in row order, then sorted by rank and step."""
+    if not rows:
+        empty = np.empty(0, dtype=np.int64)
+        return Points(empty, np.empty(0, dtype=object), empty, np.empty(0), np.empty(0))
+    steps = [np.frombuffer(row[2], dtype=STEP_DTYPE) for row in rows]
+    lengths = [len(s) for s in steps]
+    points = Points(
+        rank=np.repeat(np.array([row[0] for row in rows], dtype=np.int64), lengths),
+        name=np.repeat(np.array([row[1] for row in rows], dtype=object), lengths),
+        step=np.concatenate(steps).astype(np.int64),
+        value=np.concatenate([np.frombuffer(row[3], dtype=FLOAT_DTYPE) for row in rows]).astype(np.float64),
+        time=np.concatenate([np.frombuffer(row[4], dtype=FLOAT_DTYPE) for row in rows]).astype(np.float64),
+    )
+    return points.where(np.lexsort((points.step, points.rank)))  # lexsort is stable
+
+
+def read_points(s: Session, run_id: int, *, name: str | None = None, rank: int | None = None,
+                after_step: int = -1) -> Points:
+    """The stored points of a run (of one metric, of one rank), those after `after_step`."""
+    c = MetricChunk.__table__.c
+    q = (select(c.rank, c.name, c.step_data, c.value_data, c.time_data)
+         .where(c.run_id == run_id, c.step_max > after_step).order_by(c.id))
+    if name is not None:
+        q = q.where(c.name == name)
+    if rank is not None:
+        q = q.where(c.rank == rank)
+    result = s.connection().execute(q)
+    points = decode(result.cursor.fetchall())  # plain DBAPI tuples: no Row object per chunk
+    result.close()
+    return points.where(points.step > after_step)  # a chunk that ends after it may start before it
+
+
+def discard_after(s: Session, run_id: int, rank: int, step: int) -> None:
+    """Delete a rank's points after `step`: whole chunks, and the tail of the one that straddles it."""
+    c = MetricChunk.__table__.c
+    straddling = s.execute(select(c.id, c.step_data, c.value_data, c.time_data).where(
+        c.run_id == run_id, c.rank == rank, c.step_min <= step, c.step_max > step)).all()
+    s.execute(delete(MetricChunk).where(c.run_id == run_id, c.rank == rank, c.step_min > step))
+    for chunk_id, step_data, value_data, time_data in straddling:
+        steps = np.frombuffer(step_data, dtype=STEP_DTYPE)
+        keep = steps <= step
+        s.execute(update(MetricChunk).where(c.id == chunk_id).values(**encode(
+            steps[keep], np.frombuffer(value_data, dtype=FLOAT_DTYPE)[keep],
+            np.frombuffer(time_data, dtype=FLOAT_DTYPE)[keep])))
+
+
+def _little_endian(column: array[Any]) -> bytes:
+    if sys.byteorder == "little":
+        return column.tobytes()
+    swapped = array(column.typecode, column)
+    swapped.byteswap()
+    return swapped.tobytes()
