@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from sqlalchemy import ClauseElement, Connection, Engine, bindparam, delete, func, insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -38,6 +39,19 @@ _DELETE_ROLLUPS_FROM = delete(MetricRollup).where(
     MetricRollup.width == bindparam("w"), MetricRollup.bucket >= bindparam("b"),
 )
 _DELETE_ROLLUPS_PARAMS = ("r", "k", "n", "w", "b")
+
+
+def _upsert_rollups(dialect_insert: Callable[[type[MetricRollup]], Any]) -> Any:
+    statement = dialect_insert(MetricRollup)
+    key = [c.name for c in MetricRollup.__table__.primary_key]
+    return statement.on_conflict_do_update(
+        index_elements=key, set_={c: statement.excluded[c] for c in ROLLUP_COLUMNS if c not in key})
+
+
+# A batch's rollup rows replace the buckets still filling: in one upsert where the dialect has one (no
+# delete statement per metric and width: about a third of the supervisor's database time per batch),
+# else by deleting the buckets they rewrite, then inserting.
+_UPSERT_ROLLUPS = {"sqlite": _upsert_rollups(sqlite.insert), "postgresql": _upsert_rollups(postgresql.insert)}
 _UPDATE_RANK = update(RankState).where(RankState.run_id == bindparam("r"), RankState.rank == bindparam("k")).values(
     status=bindparam("st"), step=bindparam("sp"), heartbeat_at=bindparam("hb"))
 _UPDATE_RANK_PARAMS = ("st", "sp", "hb", "r", "k")
@@ -163,11 +177,12 @@ class MetricWriter(LogBuffer):
         alive_at = self.alive_at()
         with self.engine.begin() as conn:
             execute_many(conn, _INSERT_CHUNKS, CHUNK_COLUMNS, chunks)
-            if rollups.rows:
+            upsert = _UPSERT_ROLLUPS.get(conn.dialect.name)
+            if upsert is None and rollups.rows:
                 execute_many(conn, _DELETE_ROLLUPS_FROM, _DELETE_ROLLUPS_PARAMS, [
                     (run_id, rank, name, width, bucket) for (name, width), bucket in rollups.rewrite_from.items()
                 ])
-                execute_many(conn, _INSERT_ROLLUPS, ROLLUP_COLUMNS, rollups.rows)
+            execute_many(conn, upsert if upsert is not None else _INSERT_ROLLUPS, ROLLUP_COLUMNS, rollups.rows)
             if events:
                 conn.execute(insert(RunEvent), [
                     {"run_id": run_id, "time": at, "kind": kind, "rank": rank, "message": message, "detail": detail}
