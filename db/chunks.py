@@ -4,8 +4,6 @@ row per point) and read back with numpy (no Python object per point)."""
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -31,9 +29,6 @@ class Points(NamedTuple):
     value: np.ndarray
     time: np.ndarray
 
-    def __len__(self) -> int:  # type: ignore[override]  # the point count, not the field count
-        return len(self.step)
-
     def where(self, keep: np.ndarray) -> Points:
         return Points(*(column[keep] for column in self))
 
@@ -48,9 +43,9 @@ def chunk_rows(run_id: int, rank: int, groups: Iterable[Group]) -> list[tuple[ob
     for names, steps, times, columns in groups:
         if not names or not steps:
             continue
-        step_data, time_data = _little_endian(steps), _little_endian(times)
+        step_data, time_data = _packed(steps, STEP_DTYPE), _packed(times, FLOAT_DTYPE)
         lo, hi = min(steps), max(steps)
-        rows.extend((run_id, rank, name, lo, hi, len(steps), step_data, _little_endian(column), time_data)
+        rows.extend((run_id, rank, name, lo, hi, len(steps), step_data, _packed(column, FLOAT_DTYPE), time_data)
                     for name, column in zip(names, columns, strict=True))
     return rows
 
@@ -58,8 +53,8 @@ def chunk_rows(run_id: int, rank: int, groups: Iterable[Group]) -> list[tuple[ob
 def encode(steps: np.ndarray, values: np.ndarray, times: np.ndarray) -> dict[str, Any]:
     """The packed columns of one chunk, from numpy arrays."""
     return {"step_min": int(steps.min()), "step_max": int(steps.max()), "count": len(steps),
-            "step_data": steps.astype(STEP_DTYPE).tobytes(), "value_data": values.astype(FLOAT_DTYPE).tobytes(),
-            "time_data": times.astype(FLOAT_DTYPE).tobytes()}
+            "step_data": _packed(steps, STEP_DTYPE), "value_data": _packed(values, FLOAT_DTYPE),
+            "time_data": _packed(times, FLOAT_DTYPE)}
 
 
 def decode(rows: Sequence[Sequence[Any]]) -> Points:
@@ -110,9 +105,7 @@ def discard_after(s: Session, run_id: int, rank: int, step: int) -> None:
             np.frombuffer(time_data, dtype=FLOAT_DTYPE)[keep])))
 
 
-def _little_endian(column: array[Any]) -> bytes:
-    if sys.byteorder == "little":
-        return column.tobytes()
-    swapped = array(column.typecode, column)
-    swapped.byteswap()
-    return swapped.tobytes()
+def _packed(column: Any, dtype: np.dtype[Any]) -> bytes:
+    """A column's stored bytes: a numpy array or an `array` (read in place), in the stored byte order
+    (no conversion on a little-endian host)."""
+    return np.asarray(column).astype(dtype, copy=False).tobytes()

@@ -101,7 +101,7 @@ def _plain_rows(s: Session, stmt: Any) -> list[tuple[Any, ...]]:
 
 def _raw_points(s: Session, run_id: int, name: str, after_step: int) -> pd.DataFrame:
     points = read_points(s, run_id, name=name, after_step=after_step)
-    ones = np.ones(len(points), dtype=np.int64)
+    ones = np.ones(len(points.step), dtype=np.int64)
     return pd.DataFrame({"rank": points.rank, "step": points.step, "value": points.value, "vmin": points.value,
                          "vmax": points.value, "time": points.time, "count": ones}, columns=SERIES_COLUMNS)
 
