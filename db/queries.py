@@ -17,6 +17,9 @@ from db.models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, RunEv
 from db.rollup import roll_up
 
 DEFAULT_POINT_BUDGET = 1000  # points per line: more than a chart's width in pixels
+# A chart whose buckets need at most this many steps regroups the raw points (decoded with numpy);
+# wider buckets are read from the finest rollup level that fits (db.models.ROLLUP_WIDTHS).
+RAW_REGROUP_MAX_WIDTH = 16
 
 
 def _frame(rows: Sequence[Sequence[Any]], columns: list[str]) -> pd.DataFrame:
@@ -80,7 +83,7 @@ def metric_series(
     needed = math.ceil((span[1] - lo + 1) / max(max_points - 1, 1))
     if needed <= 1:
         return _raw_points(s, run_id, name, after_step)
-    if needed < ROLLUP_WIDTHS[0]:
+    if needed <= RAW_REGROUP_MAX_WIDTH:
         return _regroup_raw(s, run_id, name, needed, after_step)
     width = next((w for w in ROLLUP_WIDTHS if w >= needed), ROLLUP_WIDTHS[-1])
     r = MetricRollup.__table__.c  # Core columns: the ORM's per-row processing costs more than the query

@@ -34,7 +34,11 @@ log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "DDPDASH_RELAY"  # host:port of the supervisor's relay, set only for ranks it launched
 TOKEN_ENV = "DDPDASH_RELAY_TOKEN"
-SEND_INTERVAL_S = 0.5  # also the heartbeat: the supervisor stamps the rank alive on every frame
+# Once a second: each frame costs the supervisor a write (a commit, the rollup buckets still filling
+# rewritten), and with no idle core that CPU is taken from a rank; 0.5 s cost two-rank training ≈ 0.5 %
+# more (bench/README.md). The Live page refreshes every 1.5 s. Also the heartbeat: the supervisor
+# stamps the rank alive on every frame.
+SEND_INTERVAL_S = 1.0
 ACK_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct("!I")
 
