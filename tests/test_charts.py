@@ -74,3 +74,21 @@ def test_overlay_has_band_and_line_layers() -> None:
 def test_empty_frames_still_make_charts() -> None:
     empty = pd.DataFrame(columns=["rank", "step", "value", "vmin", "vmax", "time", "count"])
     assert charts.loss_chart(empty).to_dict()["mark"]["type"] == "line"
+
+
+def test_a_rank_without_a_value_is_left_out_of_the_mean_and_the_total() -> None:
+    df = series()
+    df.loc[(df["rank"] == 1) & (df["step"] == 3), "value"] = float("nan")  # a diverged loss on one rank
+    for how, label in (("mean", "mean of ranks"), ("sum", "total")):
+        data = charts.per_rank_with_aggregate(df, how, label)
+        at_3 = data[(data["series"] == label) & (data["step"] == 3)]["value"].tolist()
+        assert at_3 == [3.0]  # rank 0's value alone
+
+
+def test_lines_come_ordered_by_series_then_step_whatever_the_input_order() -> None:
+    df = series(ranks=11, steps=3).sample(frac=1, random_state=1)
+    data = charts.per_rank_with_aggregate(df, "mean", "mean of ranks")
+    keys = list(zip(data["series"], data["step"], strict=True))
+    assert keys == sorted(keys) and len(keys) == 12 * 3
+    assert data.loc[data["series"] == "rank 10", "kind"].eq("rank").all()
+    assert data.loc[data["series"] == "mean of ranks", "kind"].eq("all ranks").all()
