@@ -14,7 +14,8 @@ Segments group into quads (off, on, on, off) whose ratio is taken. So that a qua
 logging's cost, the sink's background thread (ddpdash's relay sender, or writer) no longer runs on its
 own timer: it is woken at the first logged segment of a quad, at the cadence its timer would have
 (every trainer.relay.SEND_INTERVAL_S of logged steps), and sends (or writes) what was logged since
-while the quad's two logged segments train; the supervisor writes it meanwhile. Each segment records whether it woke it.
+while the quad's two logged segments train; the supervisor writes it meanwhile. Each segment records
+whether it woke it.
 """
 
 from __future__ import annotations

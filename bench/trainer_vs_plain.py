@@ -76,7 +76,7 @@ def measure(steps: int, repeats: int) -> list[Result]:
 
 
 # Arguments of measure() for each mode: --smoke (the test suite), --quick, and the full run.
-SIZES = {"smoke": (80, 1), "quick": (1000, 3), "full": (2000, 7)}
+SIZES = {"smoke": (80, 1), "quick": (1000, 5), "full": (2000, 7)}
 
 
 def main() -> None:

@@ -48,8 +48,8 @@ def per_rank_with_aggregate(df: pd.DataFrame, how: str, label: str, smoothing: f
     ranks, which = np.unique(rank, return_inverse=True)
     names = [series_label(r) for r in ranks.tolist()] + [label]
     code = np.concatenate([which, np.full(len(steps), len(ranks))])
-    by_name = np.argsort(names, kind="stable")  # series sort by name, as a legend does
-    order = np.lexsort((np.concatenate([step, steps]), np.argsort(by_name)[code]))
+    place = np.argsort(np.argsort(names, kind="stable"))  # each series' place in name order, as a legend's
+    order = np.lexsort((np.concatenate([step, steps]), place[code]))
     code = code[order]
     out = pd.DataFrame({
         "series": np.asarray(names, dtype=object)[code],

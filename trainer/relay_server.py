@@ -123,9 +123,9 @@ def _valid_hello(hello: tuple[Any, ...] | None, token: str) -> bool:
 
 
 def _write_now(writer: MetricWriter) -> None:
-    """Write a batch as soon as it arrives: the live view is then at most a send interval behind the rank,
-    not up to the writer's interval more, and the supervisor's work follows the rank's send. A busy database
-    keeps the batch buffered; the next batch, the writer's retry timer or close() writes it."""
+    """Write a batch as soon as it arrives: the live view is then at most a send interval behind the
+    rank, not up to the writer's interval more, and the supervisor's work follows the rank's send. A busy
+    database keeps the batch buffered; the next batch, the writer's retry timer or close() writes it."""
     try:
         writer.flush()
     except Exception as exc:
