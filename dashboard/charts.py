@@ -100,7 +100,8 @@ def timing_chart(step_time: pd.DataFrame, data_time: pd.DataFrame) -> alt.Chart:
     for kind, df in (("step", step_time), ("data wait", data_time)):
         if not df.empty:
             part = df[["rank", "step", "value"]].copy()
-            part["series"] = "rank " + part["rank"].astype(int).astype(str) + " · " + kind  # as series_label
+            labels = {rank: f"{series_label(rank)} · {kind}" for rank in part["rank"].unique().tolist()}
+            part["series"] = part["rank"].map(labels)  # a label per rank, not per point
             part["kind"] = kind
             frames.append(part)
     data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["series", "step", "value", "kind"])
