@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session
 
 from bench.common import INSERT_ROW_SQL, ROW_TABLE_DDL, Result, describe, interleaved, median_spread, ratios, run_main
 from bench.seed import seed_big_run
-from dashboard.charts import loss_chart
-from db.migrate import open_store
-from db.queries import DEFAULT_POINT_BUDGET, all_points, metric_series
+from ddpdash.dashboard.charts import loss_chart
+from ddpdash.db.migrate import open_store
+from ddpdash.db.queries import DEFAULT_POINT_BUDGET, all_points, metric_series
 
 
 def ddpdash_path(engine, run_id: int) -> float:  # type: ignore[no-untyped-def]

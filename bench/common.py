@@ -113,8 +113,8 @@ class Store:
     def __init__(self, work: Path, relay: bool) -> None:
         from sqlalchemy.orm import Session
 
-        from db.migrate import open_store
-        from db.runs import create_run
+        from ddpdash.db.migrate import open_store
+        from ddpdash.db.runs import create_run
 
         self.url = f"sqlite:///{work / 'ddpdash.db'}"
         self.engine = open_store(self.url)
@@ -140,7 +140,7 @@ class Store:
         """Every logged point is in the database: a fast writer that loses points would be no writer."""
         from sqlalchemy.orm import Session
 
-        from db.queries import count_points
+        from ddpdash.db.queries import count_points
 
         self.drain()
         with Session(self.engine) as s:

@@ -1,5 +1,5 @@
 """Target 2 — ingest throughput: points per second into SQLite through ddpdash's own writer path
-(MetricWriter.log → background flush, rollups included), one writer and 4 concurrent writer processes,
+(a rank's logger → db.store, rollups included), one writer and 4 concurrent writer processes,
 against raw `sqlite3.executemany` of one row per point (bench.common.ROW_TABLE_DDL: the layout ddpdash used
 before it stored points in chunks, index and foreign key included) in WAL mode, in the same database
 file, measured in the same run. Target ≥ 60% of raw, 0 errors, stored count = logged count.
@@ -27,8 +27,8 @@ def _new_db(folder: str) -> tuple[str, int]:
     from sqlalchemy import text
     from sqlalchemy.orm import Session
 
-    from db.migrate import open_store
-    from db.runs import create_run
+    from ddpdash.db.migrate import open_store
+    from ddpdash.db.runs import create_run
 
     url = f"sqlite:///{folder}/bench.db"
     engine = open_store(url)
@@ -41,14 +41,16 @@ def _new_db(folder: str) -> tuple[str, int]:
 
 
 def _ddpdash_writer(url: str, run_id: int, rank: int, steps: int) -> int:
-    from db.engine import make_engine
-    from db.writer import MetricWriter
+    from ddpdash.db.engine import make_engine
+    from ddpdash.db.store import RankWriter
+    from ddpdash.trainer.metrics import RankLogger
 
-    w = MetricWriter(make_engine(url), run_id, rank)
+    writer = RankWriter(make_engine(url), run_id, rank)
+    w = RankLogger(writer, rank)
     for step in range(1, steps + 1):
         w.log(step, {"loss": 1.0 / step, "samples_per_s": 1000.0, "step_time": 0.01, "data_time": 0.001})
     w.close()
-    return w.written_points
+    return writer.written_points
 
 
 def _raw_writer(url: str, run_id: int, rank: int, steps: int) -> int:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, Result, describe, interleaved, quartiles, run_main
-from db.migrate import open_store
-from db.runs import FINAL_STATUSES
-from trainer.config import Machine, RunConfig
-from trainer.launcher import launch, stop
+from ddpdash.db.migrate import open_store
+from ddpdash.db.vocab import RunStatus
+from ddpdash.trainer.config import Machine, RunConfig
+from ddpdash.trainer.control import launch, stop
 
 CPU = Machine(cpu_count=os.cpu_count() or 1)
 
@@ -54,7 +54,7 @@ def ddpdash_launch(home: Path) -> float:
                 return time.time() - start
             if polls % 100 == 99:
                 status = watch.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()[0]
-                if status in FINAL_STATUSES or time.time() - start > 120:
+                if status in RunStatus.FINAL or time.time() - start > 120:
                     raise SystemExit(f"run {run_id} is {status} after {time.time() - start:.0f} s with no metric row")
             time.sleep(0.01)
         raise AssertionError("unreachable")

@@ -18,11 +18,11 @@ from sqlalchemy.orm import Session
 
 from bench.common import Result, describe, median_spread, run_main
 from bench.seed import seed_big_run
-from dashboard import charts, livedata
-from db.migrate import open_store
-from db.queries import events, rank_states
-from db.runs import get_run
-from db.writer import MetricWriter
+from ddpdash.dashboard import charts, livedata
+from ddpdash.db.migrate import open_store
+from ddpdash.db.queries import events, rank_states
+from ddpdash.db.runs import get_run
+from ddpdash.trainer.metrics import direct_logger
 
 METRICS = ("loss", "samples_per_s", "step_time", "data_time")
 
@@ -47,7 +47,7 @@ def measure(ranks: int, steps: int, repeats: int) -> list[Result]:
         t = time.perf_counter()
         run_id = seed_big_run(engine, ranks, steps, METRICS)
         print(f"seeded {ranks} ranks × {steps:,} steps × {len(METRICS)} metrics in {time.perf_counter() - t:.1f} s")
-        writers = [MetricWriter(engine, run_id, r, flush_interval_s=3600) for r in range(ranks)]
+        writers = [direct_logger(engine, run_id, r, send_interval_s=3600) for r in range(ranks)]
         first, ticks = [], []
         for i in range(repeats):
             cache = livedata.SeriesCache(run_id)

@@ -13,7 +13,7 @@ ten milliseconds long see the same machine: their ratio is precise where two who
 Segments group into quads (off, on, on, off) whose ratio is taken. So that a quad holds all of
 logging's cost, the sink's background thread (ddpdash's relay sender, or writer) no longer runs on its
 own timer: it is woken at the first logged segment of a quad, at the cadence its timer would have
-(every trainer.relay.SEND_INTERVAL_S of logged steps), and sends (or writes) what was logged since
+(every trainer.metrics.SEND_INTERVAL_S of logged steps), and sends (or writes) what was logged since
 while the quad's two logged segments train; the supervisor writes it meanwhile. Each segment records
 whether it woke it.
 """
@@ -36,11 +36,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainer.config import RunConfig
-from trainer.data import keep_batch, load
-from trainer.models import build
-from trainer.relay import SEND_INTERVAL_S
-from trainer.train import DistEnv, open_writer
+from ddpdash.trainer.config import RunConfig
+from ddpdash.trainer.data import keep_batch, load
+from ddpdash.trainer.metrics import SEND_INTERVAL_S
+from ddpdash.trainer.models import build
+from ddpdash.trainer.rundir import RunDir
+from ddpdash.trainer.train import DistEnv, open_logger
 
 
 class Sink:
@@ -57,8 +58,8 @@ def make_sink(kind: str, workdir: Path, rank: int, run_id: int | None, db_url: s
         # serves one, straight to the database otherwise (a hand-started run).
         env = DistEnv(rank, rank, dist.get_world_size() if dist.is_initialized() else 1, 0, torch.device("cpu"),
                       dist.is_initialized())
-        writer, _, _ = open_writer(argparse.Namespace(run_id=run_id, db_url=db_url), RunConfig(), env, workdir, None)
-        return writer  # type: ignore[return-value]
+        logger, _, _ = open_logger(run_id, db_url, RunConfig(), env, RunDir(workdir), None)
+        return logger  # type: ignore[return-value]
     if kind == "mlflow":
         import mlflow
 
@@ -119,9 +120,8 @@ class Segments:
 
 def work_on_demand(sink: Sink) -> None:
     """Segment mode: the sink's background thread no longer works on its timer, only when woken."""
-    for interval in ("send_interval_s", "flush_interval_s"):
-        if hasattr(sink, interval):
-            setattr(sink, interval, 3600.0)
+    if hasattr(sink, "send_interval_s"):
+        sink.send_interval_s = 3600.0
     wake(sink)  # the thread re-reads its interval once it has done this round
 
 

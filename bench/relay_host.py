@@ -1,5 +1,5 @@
 """The supervisor's part in a benchmark: a process of its own, in a session of its own, at the
-supervisor's priority (trainer.supervision.yield_cpu_to_training), serving one run's metrics relay —
+supervisor's priority (trainer.supervisor.priority.yield_cpu_to_training), serving one run's metrics relay —
 what `trainer.supervisor` does for a launched run, without starting torchrun (the benchmark does).
 
     python bench/relay_host.py --db-url URL --run-id N
@@ -17,11 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from db.engine import make_engine
-from trainer.launcher import supervisor_nice
-from trainer.relay import Listener
-from trainer.relay_server import RelayServer
-from trainer.supervision import yield_cpu_to_training
+from ddpdash.db.engine import make_engine
+from ddpdash.trainer.relay import Listener
+from ddpdash.trainer.supervisor.priority import supervisor_nice, yield_cpu_to_training
+from ddpdash.trainer.supervisor.relay_server import RelayServer
 
 
 def main() -> None:

@@ -7,9 +7,9 @@ import time
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.runs import create_run, update_run
-from db.writer import MetricWriter
-from trainer.config import RunConfig
+from ddpdash.db.runs import create_run, update_run
+from ddpdash.trainer.config import RunConfig
+from ddpdash.trainer.metrics import direct_logger
 
 
 def seed_big_run(engine: Engine, ranks: int, steps: int, metrics: tuple[str, ...] = ("loss",),
@@ -21,7 +21,7 @@ def seed_big_run(engine: Engine, ranks: int, steps: int, metrics: tuple[str, ...
                             world_size=ranks, status=status)
         update_run(s, run_id, started_at=start, total_steps=steps * 2)
     for rank in range(ranks):
-        w = MetricWriter(engine, run_id, rank, flush_interval_s=3600)
+        w = direct_logger(engine, run_id, rank, send_interval_s=3600)
         for step in range(1, steps + 1):
             base = 2.0 / (1 + step / 1000) + 0.01 * rank
             w.log(step, {m: base if m == "loss" else 1000.0 + rank for m in metrics}, at=start + step * 0.01)

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy.orm import Session
 
 from bench.common import ROOT, Result, Store, describe, interleaved, median_spread, ratios, run_main
-from db.chunks import read_points
-from trainer.config import RunConfig
+from ddpdash.db.chunks import read_points
+from ddpdash.trainer.config import RunConfig
 
 BATCH, WIDTH, WARMUP = 32, 64, 50
 
@@ -48,7 +48,7 @@ def ddpdash(steps: int, **changes: object) -> float:
     with tempfile.TemporaryDirectory() as work:
         (Path(work) / "config.json").write_text(cfg.to_json())
         store = Store(Path(work), relay=True)
-        torchrun("-m", "trainer", "--config", f"{work}/config.json", "--run-id", str(store.run_id), "--db-url",
+        torchrun("-m", "ddpdash.trainer", "--config", f"{work}/config.json", "--run-id", str(store.run_id), "--db-url",
                  store.url, env=store.env)
         store.drain()
         with Session(store.engine) as s:

@@ -5,7 +5,7 @@
 
 import streamlit as st
 
-from dashboard import auth, nav
+from ddpdash.dashboard import auth, nav
 
 st.set_page_config(page_title="ddpdash", page_icon=":material/monitoring:", layout="wide")
 if auth.gate():

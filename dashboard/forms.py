@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.config import (
+from ddpdash.trainer.config import (
     ConfigInvalid,
     Machine,
     RunConfig,
@@ -127,7 +127,7 @@ def visible(spec: FieldSpec, values: dict[str, Any]) -> bool:
 
 
 def dataset_choices(model: str) -> tuple[str, ...]:
-    from trainer.config import MODEL_DATASETS
+    from ddpdash.trainer.config import MODEL_DATASETS
 
     return ("auto", *MODEL_DATASETS[model])
 
@@ -175,9 +175,10 @@ def summary(cfg: RunConfig) -> dict[str, str]:
 
 def command_previews(cfg: RunConfig) -> tuple[str, str]:
     """The equivalent `ddpdash launch` command and the torchrun command the launcher will run."""
-    from trainer.launcher import cli_command, torchrun_argv
+    from ddpdash.trainer.commands import cli_command, torchrun_argv
+    from ddpdash.trainer.rundir import RunDir
 
-    run_dir = Path("$DDPDASH_HOME/runs/run-NNNNN")
+    run_dir = RunDir(Path("$DDPDASH_HOME/runs/run-NNNNN"))
     torchrun = torchrun_argv(cfg, run_dir, 0, python="python")
     torchrun[torchrun.index("--rdzv-id") + 1] = "ddpdash-run-NNNNN"
     torchrun[-1] = "NNNNN"

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import pandas as pd
 from sqlalchemy.orm import Session
 
-from db.queries import metric_series, run_metric_summaries
-from db.runs import RunInfo, get_run, list_runs
+from ddpdash.db.queries import metric_series, run_metric_summaries
+from ddpdash.db.runs import RunInfo, get_run, list_runs
+from ddpdash.db.vocab import Metric
+from ddpdash.trainer.config import ConfigInvalid, RunConfig
 
 RUN_COLUMNS = ["id", "name", "status", "started", "duration_s", "world_size", "devices", "backend", "batch",
                "global_batch", "amp", "model", "final_loss", "best_loss", "samples_per_s", "tags", "notes"]
@@ -31,6 +33,15 @@ class RunFilter:
     text: str = ""
 
 
+def run_config(run: RunInfo) -> RunConfig | None:
+    """The run's stored settings as a RunConfig: derived values (world size, global batch, effective lr,
+    backend) come from it, never recomputed here. None for a config this version cannot read."""
+    try:
+        return RunConfig.from_dict(run.config)
+    except ConfigInvalid:
+        return None
+
+
 def runs_frame(s: Session) -> pd.DataFrame:
     """Every run as one row (thousands stay fast: one query for runs, one over the coarsest rollups)."""
     runs = list_runs(s)
@@ -39,26 +50,19 @@ def runs_frame(s: Session) -> pd.DataFrame:
     metrics = run_metric_summaries(s, [r.id for r in runs]).set_index("run_id")
     rows = []
     for r in runs:
-        cfg = r.config
+        cfg = run_config(r)
         rows.append({
             "id": r.id, "name": r.name, "status": r.status,
             "started": pd.to_datetime(r.started_at or r.created_at, unit="s"),
             "duration_s": r.duration_s, "world_size": r.world_size,
-            "devices": ",".join(f"cuda:{d}" for d in cfg.get("devices", [])) or f"{r.world_size}× cpu",
-            "backend": _backend(cfg), "batch": cfg.get("batch_size"),
-            "global_batch": cfg.get("batch_size", 0) * r.world_size * cfg.get("grad_accum_steps", 1),
-            "amp": cfg.get("amp"), "model": cfg.get("model"),
+            "devices": (",".join(f"cuda:{d}" for d in cfg.devices) or f"{r.world_size}× cpu") if cfg else None,
+            "backend": cfg.resolved_backend if cfg else None, "batch": cfg.batch_size if cfg else None,
+            "global_batch": cfg.global_batch if cfg else None, "amp": cfg.amp if cfg else None,
+            "model": cfg.model if cfg else None,
             "final_loss": metrics.at[r.id, "final_loss"], "best_loss": metrics.at[r.id, "best_loss"],
             "samples_per_s": metrics.at[r.id, "samples_per_s"], "tags": ", ".join(r.tags), "notes": r.notes,
         })
     return pd.DataFrame(rows, columns=RUN_COLUMNS)
-
-
-def _backend(cfg: dict) -> str:
-    backend = cfg.get("backend", "auto")
-    if backend == "auto":
-        return "nccl" if cfg.get("devices") else "gloo"
-    return str(backend)
 
 
 def filter_runs(df: pd.DataFrame, f: RunFilter) -> pd.DataFrame:
@@ -93,16 +97,19 @@ def sort_and_page(df: pd.DataFrame, sort_by: str = "id", descending: bool = True
 @dataclass
 class Comparison:
     runs: list[RunInfo]
-    loss: dict[int, pd.DataFrame] = field(default_factory=dict)
-    speed: dict[int, pd.DataFrame] = field(default_factory=dict)
+    loss: dict[int, pd.DataFrame] = field(default_factory=dict)  # the downsampled loss per run, for the overlay
+    summaries: pd.DataFrame = field(default_factory=pd.DataFrame)  # run_metric_summaries, indexed by run id
+
+    def summary(self, run_id: int, column: str) -> float | None:
+        value = self.summaries.at[run_id, column] if run_id in self.summaries.index else None
+        return None if value is None or pd.isna(value) else float(value)
 
 
 def load_comparison(s: Session, run_ids: list[int], budget: int = 2000) -> Comparison:
     runs = [get_run(s, i) for i in run_ids[:MAX_COMPARE]]
-    comp = Comparison(runs)
+    comp = Comparison(runs, summaries=run_metric_summaries(s, [r.id for r in runs]).set_index("run_id"))
     for r in runs:
-        comp.loss[r.id] = metric_series(s, r.id, "loss", max_points=budget)
-        comp.speed[r.id] = metric_series(s, r.id, "samples_per_s", max_points=budget)
+        comp.loss[r.id] = metric_series(s, r.id, Metric.LOSS, max_points=budget)
     return comp
 
 
@@ -116,8 +123,8 @@ def with_x(df: pd.DataFrame, run: RunInfo, x_axis: str) -> pd.DataFrame:
     if x_axis == "step":
         out["x"] = out["step"].astype(float)
     elif x_axis == "samples":
-        cfg = run.config
-        out["x"] = out["step"] * cfg.get("batch_size", 1) * run.world_size * cfg.get("grad_accum_steps", 1)
+        batch = _global_batch(run)
+        out["x"] = out["step"] * batch if batch else float("nan")
     elif x_axis == "time":
         start = run.started_at or (float(out["time"].min()) if len(out) else 0.0)
         out["x"] = out["time"] - start
@@ -147,12 +154,9 @@ def overlay_frame(comp: Comparison, x_axis: str = "step", per_rank: bool = False
     return pd.concat(frames, ignore_index=True)
 
 
-def mean_throughput(speed: pd.DataFrame) -> float | None:
-    """Mean total samples/s: each rank's mean (weighted by the points in each bucket), summed."""
-    if speed.empty:
-        return None
-    per_rank = speed.assign(w=speed["value"] * speed["count"]).groupby("rank")[["w", "count"]].sum()
-    return float((per_rank["w"] / per_rank["count"]).sum())
+def _global_batch(run: RunInfo) -> int | None:
+    cfg = run_config(run)
+    return cfg.global_batch if cfg else None
 
 
 def config_key(cfg: dict) -> str:
@@ -165,7 +169,7 @@ def scaling_table(comp: Comparison) -> pd.DataFrame:
     rows = []
     for run in comp.runs:
         rows.append({"run": run_label(run), "run_id": run.id, "world_size": run.world_size,
-                     "samples_per_s": mean_throughput(comp.speed[run.id]), "group": config_key(run.config)})
+                     "samples_per_s": comp.summary(run.id, "samples_per_s"), "group": config_key(run.config)})
     df = pd.DataFrame(rows)
     out = []
     for _, group in df.groupby("group", sort=False):
@@ -200,25 +204,25 @@ def _cell(value: object) -> str:
 
 
 def summary_table(comp: Comparison, target_loss: float | None = None) -> pd.DataFrame:
+    """Per run: final and best loss and samples/s as the Runs page shows them (db.queries.
+    run_metric_summaries: one definition), and the time and samples to reach `target_loss` (the first
+    step whose mean loss over ranks is at or below it)."""
     rows = []
     for run in comp.runs:
         loss = comp.loss[run.id]
-        mean = (loss.groupby("step", as_index=False).agg(value=("value", "mean"), time=("time", "max"))
-                if not loss.empty else loss)
-        row = {"run": run_label(run), "status": run.status,
-               "final_loss": float(mean["value"].iloc[-1]) if len(mean) else None,
-               "best_loss": float(loss["vmin"].min()) if len(loss) else None,
-               "total_time_s": run.duration_s, "samples_per_s": mean_throughput(comp.speed[run.id]),
-               "time_to_target_s": None, "samples_to_target": None}
-        if target_loss is not None and len(mean):
+        row = {"run": run_label(run), "status": run.status, "final_loss": comp.summary(run.id, "final_loss"),
+               "best_loss": comp.summary(run.id, "best_loss"), "total_time_s": run.duration_s,
+               "samples_per_s": comp.summary(run.id, "samples_per_s"), "time_to_target_s": None,
+               "samples_to_target": None}
+        if target_loss is not None and len(loss):
+            mean = loss.groupby("step", as_index=False).agg(value=("value", "mean"), time=("time", "max"))
             hit = mean[mean["value"] <= target_loss]
             if len(hit):
                 first = hit.iloc[0]
                 start = run.started_at or float(loss["time"].min())
                 row["time_to_target_s"] = float(first["time"]) - start
-                cfg = run.config
-                row["samples_to_target"] = int(first["step"]) * cfg.get("batch_size", 1) * run.world_size * cfg.get(
-                    "grad_accum_steps", 1)
+                batch = _global_batch(run)
+                row["samples_to_target"] = int(first["step"]) * batch if batch else None
         rows.append(row)
     return pd.DataFrame(rows)
 

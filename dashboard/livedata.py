@@ -11,8 +11,8 @@ import psutil
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.queries import DEFAULT_POINT_BUDGET, SERIES_COLUMNS, metric_series
-from db.runs import RunInfo
+from ddpdash.db.queries import DEFAULT_POINT_BUDGET, SERIES_COLUMNS, metric_series
+from ddpdash.db.runs import RunInfo
 
 LIVE_METRICS = ("loss", "samples_per_s", "tokens_per_s", "step_time", "data_time", "val_loss", "val_acc")
 STALE_HEARTBEAT_S = 15.0
@@ -196,7 +196,7 @@ def nvml_stats() -> list[dict[str, float | str]]:
 
 
 def newest_run_id(engine: Engine) -> int | None:
-    from db.runs import ACTIVE_STATUSES, list_runs
+    from ddpdash.db.runs import ACTIVE_STATUSES, list_runs
 
     with Session(engine) as s:
         active = list_runs(s, statuses=ACTIVE_STATUSES, limit=1)

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from dashboard.auth import ADDRESS_ENV, PASSWORD_ENV, ExposureError, check_exposure
+from .auth import ADDRESS_ENV, PASSWORD_ENV, ExposureError, check_exposure
 
 APP = Path(__file__).resolve().parent / "app.py"
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import streamlit as st
 from sqlalchemy import Engine
 
-from db.engine import default_db_url
-from db.migrate import open_store
-from trainer.config import Machine, detect_machine
-from trainer.launcher import reconcile
+from ddpdash.db.engine import default_db_url
+from ddpdash.db.migrate import open_store
+from ddpdash.trainer.config import Machine, detect_machine
+from ddpdash.trainer.control import reconcile
 
 
 @st.cache_resource(show_spinner=False)

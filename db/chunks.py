@@ -11,8 +11,8 @@ import numpy as np
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from db.columns import Group
-from db.models import MetricChunk
+from .columns import Group
+from .models import MetricChunk
 
 # Stored little-endian whatever the host, so that every machine of a multi-node run reads every row.
 STEP_DTYPE = np.dtype("<i8")

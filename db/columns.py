@@ -1,5 +1,5 @@
-"""Steps as columns: the form in which metrics travel from a rank to its supervisor (trainer/relay.py)
-and in which the writer (db/writer.py) turns them into rows and rollups.
+"""Steps as columns: the form in which metrics travel from a rank (trainer/metrics.py) to the store
+(db/store.py), over the supervisor's relay (trainer/relay.py) or straight from the rank.
 
 A group is (metric names, steps, times, one column of values per name) for consecutive steps that
 logged the same metrics — in a training loop, nearly always a whole batch. Columns are machine arrays:
@@ -14,15 +14,50 @@ import itertools
 import logging
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
-
-from db.buffer import LogRow
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
-Group = tuple[tuple[str, ...], "array[int]", "array[float]", tuple["array[float]", ...]]
-# The same on the wire: the arrays as raw bytes (the relay is loopback only: one machine, one byte order).
+MAX_BUFFERED_LOGS = 200_000  # steps held in memory at most, on the rank or for the store; the oldest go first
+
+LogRow = tuple[int, float, Mapping[str, float]]  # (step, time, values): what log() appends, kept a plain tuple
+
+
+class Group(NamedTuple):
+    """Consecutive steps that logged the same metrics, one column of values per name."""
+
+    names: tuple[str, ...]
+    steps: array[int]
+    times: array[float]
+    columns: tuple[array[float], ...]
+
+
+# A group on the wire: the arrays as raw bytes (the relay is loopback only: one machine, one byte order).
 PackedGroup = tuple[tuple[str, ...], bytes, bytes, tuple[bytes, ...]]
+
+
+class Event(NamedTuple):
+    kind: str  # db.vocab.EventKind
+    message: str
+    detail: str
+    time: float
+
+
+class Batch(NamedTuple):
+    """What a rank hands on at once: its steps since the last batch, its events, and its news."""
+
+    groups: list[Group]
+    events: list[Event]
+    status: str | None = None  # db.vocab.RankStatus, when it changed
+    total_steps: int | None = None  # the run's step count, when rank 0 knows it
+
+
+def merge_batches(batches: Sequence[Batch]) -> Batch:
+    """Batches written together (held through an outage) as one: their steps and events in order, the
+    newest status and step count."""
+    return Batch([g for b in batches for g in b.groups], [e for b in batches for e in b.events],
+                 next((b.status for b in reversed(batches) if b.status), None),
+                 next((b.total_steps for b in reversed(batches) if b.total_steps is not None), None))
 
 
 def group_logs(logs: Sequence[LogRow]) -> list[Group]:
@@ -55,25 +90,26 @@ def unpack(packed: Sequence[PackedGroup]) -> list[Group]:
     """Groups from the wire, checked: a frame whose columns disagree in length is refused (ValueError)."""
     groups = []
     for names, steps, times, columns in packed:
-        group = (tuple(names), _array("q", steps), _array("d", times), tuple(_array("d", c) for c in columns))
-        if len(group[3]) != len(group[0]) or any(len(c) != len(group[1]) for c in (group[2], *group[3])):
+        group = Group(tuple(names), _array("q", steps), _array("d", times), tuple(_array("d", c) for c in columns))
+        if len(group.columns) != len(group.names) or any(len(c) != len(group.steps)
+                                                          for c in (group.times, *group.columns)):
             raise ValueError("a packed group's columns differ in length")
         groups.append(group)
     return groups
 
 
 def steps_in(groups: Iterable[Group]) -> int:
-    return sum(len(steps) for _, steps, _, _ in groups)
+    return sum(len(g.steps) for g in groups)
 
 
 def last_step(groups: Sequence[Group]) -> int | None:
     """The step logged last, whether it logged any metric or not; None without steps."""
-    return next((steps[-1] for _, steps, _, _ in reversed(groups) if len(steps)), None)
+    return next((g.steps[-1] for g in reversed(groups) if len(g.steps)), None)
 
 
 def _group(names: tuple[str, ...], logs: Sequence[LogRow], values: Sequence[Mapping[str, Any]]) -> Group:
-    return (names, array("q", [row[0] for row in logs]), array("d", [row[1] for row in logs]),
-            tuple(array("d", [vals[name] for vals in values]) for name in names))
+    return Group(names, array("q", [row[0] for row in logs]), array("d", [row[1] for row in logs]),
+                 tuple(array("d", [vals[name] for vals in values]) for name in names))
 
 
 def _array(typecode: str, raw: bytes) -> array[Any]:

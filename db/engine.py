@@ -9,7 +9,7 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
-from db.paths import ddpdash_home, default_db_url, runs_root
+from .paths import ddpdash_home, default_db_url, runs_root
 
 __all__ = ["ddpdash_home", "default_db_url", "make_engine", "runs_root"]
 

@@ -98,7 +98,7 @@ def upgrade(engine: Engine) -> None:
 
 def open_store(url: str | None = None) -> Engine:
     """The engine for `url` (default: DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db), migrated to the newest schema."""
-    from db.engine import make_engine
+    from .engine import make_engine
 
     engine = make_engine(url)
     upgrade(engine)

@@ -12,9 +12,9 @@ import pandas as pd
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from db.chunks import read_points
-from db.models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, RunEvent
-from db.rollup import roll_up
+from .chunks import read_points
+from .models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, RunEvent
+from .rollup import roll_up
 
 DEFAULT_POINT_BUDGET = 1000  # points per line: more than a chart's width in pixels
 # A chart whose buckets need at most this many steps regroups the raw points (decoded with numpy);
@@ -117,7 +117,7 @@ def _regroup_raw(s: Session, run_id: int, name: str, width: int, after_step: int
     for rank in np.unique(points.rank).tolist():
         mine = points.where(points.rank == rank)
         [buckets] = roll_up(mine.step, mine.value[np.newaxis, :], mine.time, (width,), [{}])
-        rows.extend((rank, b[2], b[5] / b[6], b[3], b[4], b[7], b[6]) for _, b in buckets)
+        rows.extend((rank, b.step_max, b.vsum / b.count, b.vmin, b.vmax, b.time_max, b.count) for _, b in buckets)
     return _series_frame(rows)
 
 
@@ -127,6 +127,20 @@ def all_points(s: Session, run_id: int) -> pd.DataFrame:
     order = np.lexsort((points.name.astype(str), points.step, points.rank))
     return pd.DataFrame({"rank": points.rank[order], "step": points.step[order], "metric": points.name[order],
                          "value": points.value[order], "time": points.time[order]})
+
+
+EXPORT_FORMATS = ("csv", "json")
+
+
+def export_points(s: Session, run_id: int, fmt: str) -> str:
+    """A run's points as CSV or JSON records (rank, step, metric, value, time): the CLI's `export` and the
+    Runs page's download both serve this text."""
+    points = all_points(s, run_id)
+    if fmt == "csv":
+        return points.to_csv(index=False)
+    if fmt == "json":
+        return points.to_json(orient="records") + "\n"
+    raise ValueError(f"export format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}")
 
 
 def count_points(s: Session, run_id: int, name: str | None = None) -> int:

@@ -5,11 +5,23 @@ one pass for every width and every metric that shares its steps (a batch's metri
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-# (bucket, step_min, step_max, vmin, vmax, vsum, count, time_max, vlast): a rollup row after its key.
-Bucket = tuple[int, int, int, float, float, float, int, float, float]
+
+class Bucket(NamedTuple):
+    """One rollup bucket of one metric: a rollup row after its key (run, name, width, rank)."""
+
+    bucket: int  # step // width
+    step_min: int
+    step_max: int
+    vmin: float
+    vmax: float
+    vsum: float
+    count: int
+    time_max: float
+    vlast: float
 
 
 def roll_up(steps: np.ndarray, values: np.ndarray, times: np.ndarray, widths: Sequence[int],
@@ -42,10 +54,11 @@ def roll_up(steps: np.ndarray, values: np.ndarray, times: np.ndarray, widths: Se
     width_begins = np.flatnonzero(first == 0).tolist()
     out = []
     for i, opened in enumerate(open_buckets):
-        buckets = list(zip(*shared, vmin[i], vmax[i], vsum[i], counts, time_max, vlast[i], strict=True))
+        buckets = list(map(Bucket._make, zip(*shared, vmin[i], vmax[i], vsum[i], counts, time_max, vlast[i],
+                                             strict=True)))
         for j in width_begins:
             earlier = opened.get(width_of[j])
-            if earlier is not None and earlier[0] == buckets[j][0]:
+            if earlier is not None and earlier.bucket == buckets[j].bucket:
                 buckets[j] = merge(earlier, buckets[j])
         out.append(list(zip(width_of, buckets, strict=True)))
     return out
@@ -53,8 +66,9 @@ def roll_up(steps: np.ndarray, values: np.ndarray, times: np.ndarray, widths: Se
 
 def merge(earlier: Bucket, later: Bucket) -> Bucket:
     """One bucket from two parts of it, `earlier`'s steps before `later`'s."""
-    return (later[0], earlier[1], later[2], min(earlier[3], later[3]), max(earlier[4], later[4]),
-            earlier[5] + later[5], earlier[6] + later[6], later[7], later[8])
+    return later._replace(step_min=earlier.step_min, vmin=min(earlier.vmin, later.vmin),
+                          vmax=max(earlier.vmax, later.vmax), vsum=earlier.vsum + later.vsum,
+                          count=earlier.count + later.count)
 
 
 def sorted_by_step(steps: np.ndarray, values: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -11,10 +11,8 @@ from typing import Any
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session
 
-from db.models import MetricChunk, MetricRollup, RankState, Run, RunEvent
-
-ACTIVE_STATUSES = ("queued", "running", "stopping")
-FINAL_STATUSES = ("succeeded", "failed", "stopped", "lost")
+from .models import MetricChunk, MetricRollup, RankState, Run, RunEvent
+from .vocab import RunStatus
 
 
 class RunNotFound(LookupError):
@@ -49,7 +47,7 @@ class RunInfo:
 
     @property
     def is_active(self) -> bool:
-        return self.status in ACTIVE_STATUSES
+        return self.status in RunStatus.ACTIVE
 
     @property
     def duration_s(self) -> float | None:
@@ -75,7 +73,7 @@ def _info(r: Run) -> RunInfo:
 
 def create_run(
     s: Session, *, key: str, name: str, config_json: str, world_size: int, run_dir: str = "", host: str = "",
-    status: str = "queued",
+    status: str = RunStatus.QUEUED,
 ) -> int:
     return int(s.execute(
         insert(Run).values(
@@ -115,7 +113,7 @@ def finish_run(s: Session, run_id: int, status: str, **values: Any) -> bool:
     """Set a final status unless one is already set (the first writer of the truth wins)."""
     values.setdefault("ended_at", time.time())
     result = s.execute(
-        update(Run).where(Run.id == run_id, Run.status.not_in(FINAL_STATUSES))
+        update(Run).where(Run.id == run_id, Run.status.not_in(RunStatus.FINAL))
         .values(status=status, **_columns(values))
     )
     return bool(result.rowcount)
@@ -155,16 +153,16 @@ def set_rank_status(s: Session, run_id: int, rank: int, status: str) -> None:
 
 
 @dataclass(frozen=True)
-class RankStatus:
+class RankRow:
     rank: int
     status: str
     step: int
     heartbeat_at: float
 
 
-def rank_statuses(s: Session, run_id: int) -> list[RankStatus]:
+def rank_rows(s: Session, run_id: int) -> list[RankRow]:
     rows = s.execute(
         select(RankState.rank, RankState.status, RankState.step, RankState.heartbeat_at)
         .where(RankState.run_id == run_id).order_by(RankState.rank)
     ).all()
-    return [RankStatus(*row) for row in rows]
+    return [RankRow(*row) for row in rows]

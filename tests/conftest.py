@@ -13,9 +13,10 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.migrate import open_store
-from db.runs import FINAL_STATUSES, RunInfo, create_run, get_run, list_runs
-from trainer.config import Machine, RunConfig
+from ddpdash.db.migrate import open_store
+from ddpdash.db.runs import RunInfo, create_run, get_run, list_runs
+from ddpdash.db.vocab import RunStatus
+from ddpdash.trainer.config import Machine, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_MACHINE = Machine(cpu_count=2)
@@ -44,11 +45,10 @@ def engine(db_url: str) -> Iterator[Engine]:
 
 
 def stop_active_runs(engine: Engine) -> None:
-    from db.runs import ACTIVE_STATUSES
-    from trainer.launcher import stop
+    from ddpdash.trainer.control import stop
 
     with Session(engine) as s:
-        active = list_runs(s, statuses=ACTIVE_STATUSES)
+        active = list_runs(s, statuses=RunStatus.ACTIVE)
     for run in active:
         stop(engine, run.id)
 
@@ -74,7 +74,7 @@ def torchrun_by_hand(cfg: RunConfig, run_dir: Path, db_url: str, *, nproc: int =
     (run_dir / "config.json").write_text(cfg.to_json())
     env = {**os.environ, "DDPDASH_DB_URL": db_url, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "trainer", "--config", str(run_dir / "config.json")]
+            "-m", "ddpdash.trainer", "--config", str(run_dir / "config.json")]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -90,7 +90,7 @@ def wait_final(engine: Engine, run_id: int, timeout: float = 120) -> RunInfo:
     while time.monotonic() < deadline:
         with Session(engine) as s:
             run = get_run(s, run_id)
-        if run.status in FINAL_STATUSES:
+        if run.status in RunStatus.FINAL:
             return run
         time.sleep(0.2)
     raise AssertionError(f"run {run_id} still {run.status} after {timeout} s")

@@ -8,9 +8,9 @@ import time
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.runs import create_run, finish_run, update_run
-from db.writer import MetricWriter
-from trainer.config import RunConfig
+from ddpdash.db.runs import create_run, finish_run, update_run
+from ddpdash.trainer.config import RunConfig
+from ddpdash.trainer.metrics import direct_logger
 
 
 def seed_run(engine: Engine, cfg: RunConfig, *, steps: int = 200, status: str = "succeeded",
@@ -24,7 +24,7 @@ def seed_run(engine: Engine, cfg: RunConfig, *, steps: int = 200, status: str = 
                             world_size=cfg.world_size, status="running")
         update_run(s, run_id, started_at=start, total_steps=steps, tags=list(tags), notes=notes)
     for rank in range(cfg.world_size):
-        w = MetricWriter(engine, run_id, rank, flush_interval_s=3600)
+        w = direct_logger(engine, run_id, rank, send_interval_s=3600)
         for step in range(1, steps + 1):
             values = {
                 "loss": loss_scale * (2.0 * math.exp(-step / (steps / 4)) + 0.1 + 0.01 * rank),

@@ -21,11 +21,11 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from sqlalchemy.orm import Session
 
-from db.migrate import open_store
-from db.runs import list_runs
+from ddpdash.db.migrate import open_store
+from ddpdash.db.runs import list_runs
+from ddpdash.trainer.config import RunConfig
 from tests.conftest import ROOT, stop_active_runs
 from tests.seed import seed_run
-from trainer.config import RunConfig
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 CHROMIUM = "/usr/bin/chromium"
@@ -45,7 +45,7 @@ def start_ui(home: Path, address: str = "127.0.0.1", **env: str) -> tuple[subpro
     port = free_port()
     full_env = {**os.environ, "DDPDASH_HOME": str(home), **env}
     full_env.pop("DDPDASH_DB_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", "ui", "--port", str(port), "--address", address],
+    proc = subprocess.Popen([sys.executable, "-m", "ddpdash.cli", "ui", "--port", str(port), "--address", address],
                             env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -213,7 +213,7 @@ def test_password_gates_every_page(tmp_path: Path, browser: Browser) -> None:
 def test_public_bind_without_password_refuses_to_start(tmp_path: Path) -> None:
     env = {**os.environ, "DDPDASH_HOME": str(tmp_path)}
     env.pop("DDPDASH_PASSWORD", None)
-    result = subprocess.run([sys.executable, "-m", "trainer.cli", "ui", "--address", "0.0.0.0", "--port",
+    result = subprocess.run([sys.executable, "-m", "ddpdash.cli", "ui", "--address", "0.0.0.0", "--port",
                              str(free_port())], env=env, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert result.returncode == 2
     assert "refusing to listen on 0.0.0.0" in result.stderr and "DDPDASH_PASSWORD" in result.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from dashboard import charts
+from ddpdash.dashboard import charts
 
 
 def series(ranks: int = 2, steps: int = 10) -> pd.DataFrame:
@@ -58,7 +58,8 @@ def test_timing_chart_separates_step_and_data_wait() -> None:
     assert set(data["kind"]) == {"step", "data wait"} and spec["encoding"]["strokeDash"]["field"] == "kind"
 
 
-def test_charts_send_no_more_points_than_they_get() -> None:
+def test_charts_draw_every_point_they_are_given() -> None:
+    """Charts never drop points: downsampling (min/max kept) happens in the query, before them."""
     chart = charts.loss_chart(series(ranks=4, steps=2000))
     assert charts.points_per_series(chart) == {**{f"rank {r}": 2000 for r in range(4)}, "mean of ranks": 2000}
 

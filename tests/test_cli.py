@@ -21,7 +21,7 @@ def ddpdash(*args: str, home: Path, timeout: float = 180) -> subprocess.Complete
     env = {**os.environ, "DDPDASH_HOME": str(home)}
     env.pop("DDPDASH_DB_URL", None)
     env.pop("DDPDASH_TEST_FAULT", None)
-    return subprocess.run([sys.executable, "-m", "trainer.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ddpdash.cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 

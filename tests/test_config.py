@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddpdash.trainer.config import ConfigInvalid, RunConfig, check, config_fields, validate
 from tests.conftest import CPU_MACHINE, GPU_MACHINE
-from trainer.config import ConfigInvalid, RunConfig, check, config_fields, validate
 
 
 def errors_for(machine=CPU_MACHINE, **changes):  # type: ignore[no-untyped-def]

@@ -11,11 +11,11 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 from streamlit.testing.v1 import AppTest
 
-from db.queries import rank_states
-from db.runs import get_run, list_runs
+from ddpdash.db.queries import rank_states
+from ddpdash.db.runs import get_run, list_runs
+from ddpdash.trainer.config import RunConfig
 from tests.conftest import ROOT, wait_final, wait_for
 from tests.seed import seed_run
-from trainer.config import RunConfig
 
 APP = str(ROOT / "dashboard" / "app.py")
 
@@ -30,6 +30,11 @@ def open_page(script: str | None = None, **query: str) -> AppTest:
         for key, value in query.items():
             at.query_params[key] = value
         at.run()
+    return ran(at)
+
+
+def ran(at: AppTest) -> AppTest:
+    """Every step of a page test: the page must have raised nothing."""
     assert not at.exception, [e.value for e in at.exception]
     return at
 
@@ -58,9 +63,9 @@ def chart_rows(at: AppTest) -> list[list[dict]]:
 # ---- New run -----------------------------------------------------------------------------------
 def test_batch_size_zero_is_shown_next_to_the_field_and_nothing_launches(engine: Engine, home: Path) -> None:
     at = open_page("views/new_run.py")
-    at.number_input(key="cfg_batch_size").set_value(0).run()
+    ran(at.number_input(key="cfg_batch_size").set_value(0).run())
     assert "Batch size must be ≥ 1, got 0" in errors(at)
-    next(b for b in at.button if b.label == "Launch").click().run()
+    ran(next(b for b in at.button if b.label == "Launch").click().run())
     assert "Nothing was launched: fix the problems shown next to the fields." in errors(at)
     with Session(engine) as s:
         assert list_runs(s) == []
@@ -69,9 +74,9 @@ def test_batch_size_zero_is_shown_next_to_the_field_and_nothing_launches(engine:
 
 def test_nccl_on_a_cpu_machine_is_refused(engine: Engine) -> None:
     at = open_page("views/new_run.py")
-    at.selectbox(key="cfg_backend").select("nccl").run()
+    ran(at.selectbox(key="cfg_backend").select("nccl").run())
     assert any("nccl needs CUDA GPUs" in e for e in errors(at))
-    next(b for b in at.button if b.label == "Launch").click().run()
+    ran(next(b for b in at.button if b.label == "Launch").click().run())
     with Session(engine) as s:
         assert list_runs(s) == []
 
@@ -83,14 +88,14 @@ def test_fp16_is_not_offered_on_cpu(engine: Engine) -> None:
 
 def test_summary_shows_global_batch_and_scaled_lr(engine: Engine) -> None:
     at = open_page("views/new_run.py")
-    at.number_input(key="cfg_batch_size").set_value(16).run()
+    ran(at.number_input(key="cfg_batch_size").set_value(16).run())
     text = " ".join(m.value for m in at.markdown)
     assert "32 = 16 × 2 ranks × 1 accum" in text and "0.1 (0.05 × 2 ranks)" in text
 
 
 def test_command_previews_match_the_form(engine: Engine) -> None:
     at = open_page("views/new_run.py")
-    at.number_input(key="cfg_batch_size").set_value(8).run()
+    ran(at.number_input(key="cfg_batch_size").set_value(8).run())
     codes = [c.value for c in at.code]
     assert codes[0] == "ddpdash launch --batch-size 8"
     assert "torch.distributed.run" in codes[1] and "--nproc-per-node 2" in codes[1]
@@ -98,7 +103,7 @@ def test_command_previews_match_the_form(engine: Engine) -> None:
 
 def test_size_preset_fills_the_model_fields(engine: Engine) -> None:
     at = open_page("views/new_run.py")
-    at.selectbox(key="_preset").select("tiny").run()
+    ran(at.selectbox(key="_preset").select("tiny").run())
     assert at.number_input(key="cfg_width").value == 16 and at.number_input(key="cfg_depth").value == 1
 
 
@@ -112,10 +117,10 @@ def test_clone_prefills_the_form(engine: Engine) -> None:
 @pytest.mark.slow
 def test_launch_from_the_form_then_watch_and_stop(engine: Engine) -> None:
     at = open_page("views/new_run.py")
-    at.text_input(key="cfg_name").input("from-the-form").run()
-    at.number_input(key="cfg_max_steps").set_value(1_000_000).run()
-    at.number_input(key="cfg_width").set_value(16).run()
-    next(b for b in at.button if b.label == "Launch").click().run()
+    ran(at.text_input(key="cfg_name").input("from-the-form").run())
+    ran(at.number_input(key="cfg_max_steps").set_value(1_000_000).run())
+    ran(at.number_input(key="cfg_width").set_value(16).run())
+    ran(next(b for b in at.button if b.label == "Launch").click().run())
     with Session(engine) as s:
         runs = list_runs(s)
     assert len(runs) == 1 and runs[0].name == "from-the-form"
@@ -127,7 +132,7 @@ def test_launch_from_the_form_then_watch_and_stop(engine: Engine) -> None:
     assert ranks["rank"].tolist() == [0, 1] and (ranks["step"] > 0).all()
     loss_rows = chart_rows(at)[0]
     assert {r["series"] for r in loss_rows} >= {"rank 0", "rank 1", "mean of ranks"}
-    next(b for b in at.button if b.label == "Yes, stop it").click().run()
+    ran(next(b for b in at.button if b.label == "Yes, stop it").click().run())
     assert wait_final(engine, run_id, 15).status == "stopped"
 
 
@@ -144,7 +149,7 @@ def test_live_without_runs_points_to_new_run(engine: Engine) -> None:
 
 
 def test_live_shows_a_failed_runs_traceback(engine: Engine) -> None:
-    from db.runs import add_event
+    from ddpdash.db.runs import add_event
     run_id = seed_run(engine, RunConfig(name="broken"), steps=20, status="failed")
     with Session(engine) as s, s.begin():
         add_event(s, run_id, "rank_failed", "rank 1: RuntimeError: boom", rank=1, detail="Traceback ...\nboom")
@@ -155,7 +160,7 @@ def test_live_shows_a_failed_runs_traceback(engine: Engine) -> None:
 
 @pytest.mark.slow
 def test_a_million_point_run_reaches_the_browser_within_the_point_budget(engine: Engine) -> None:
-    from db.queries import DEFAULT_POINT_BUDGET
+    from ddpdash.db.queries import DEFAULT_POINT_BUDGET
 
     cfg = RunConfig(name="big", num_procs=8)
     t0 = time.time()
@@ -178,13 +183,13 @@ def test_runs_page_edits_tags_and_deletes_a_run(engine: Engine, home: Path) -> N
     at = open_page("views/runs.py")
     table = next(df.value for df in at.dataframe if "final_loss" in df.value.columns)
     assert sorted(table["id"].tolist()) == [keep, doomed]
-    at.selectbox(key="manage_pick").select(keep).run()
+    ran(at.selectbox(key="manage_pick").select(keep).run())
     next(t for t in at.text_input if t.label == "Tags (comma-separated)").input("baseline, fast")
-    next(b for b in at.button if b.label == "Save").click().run()  # a form: values go in on submit
+    ran(next(b for b in at.button if b.label == "Save").click().run())  # a form: values go in on submit
     with Session(engine) as s:
         assert get_run(s, keep).tags == ("baseline", "fast")
-    at.selectbox(key="manage_pick").select(doomed).run()
-    next(b for b in at.button if b.label == "Yes, delete it").click().run()
+    ran(at.selectbox(key="manage_pick").select(doomed).run())
+    ran(next(b for b in at.button if b.label == "Yes, delete it").click().run())
     with Session(engine) as s:
         assert [r.id for r in list_runs(s)] == [keep]
 
@@ -218,7 +223,53 @@ def test_compare_shows_overlay_diff_and_summary(engine: Engine) -> None:
 def test_compare_choice_round_trips_through_the_url(engine: Engine) -> None:
     ids = _three_runs(engine)
     at = open_page("views/compare.py")
-    at.multiselect[0].set_value(ids[:2]).run()
+    ran(at.multiselect[0].set_value(ids[:2]).run())
     assert at.query_params["runs"] == f"{ids[0]},{ids[1]}"
     again = open_page("views/compare.py", runs=at.query_params["runs"])
     assert again.multiselect[0].value == ids[:2]
+
+
+def test_runs_and_compare_show_the_same_final_loss_for_a_long_run(engine: Engine) -> None:
+    """Final loss is each rank's last logged value, averaged over ranks, on every page (db.queries.
+    run_metric_summaries); a 5,000-step run is downsampled for the charts, which must not change it."""
+    import math
+
+    ids = [seed_run(engine, RunConfig(name=name, num_procs=2), steps=5000) for name in ("long-a", "long-b")]
+    expected = 2.0 * math.exp(-4) + 0.1 + 0.005  # tests/seed.py: the last step's loss, mean of ranks 0 and 1
+    runs = open_page("views/runs.py")
+    table = next(df.value for df in runs.dataframe if "final_loss" in df.value.columns).set_index("id")
+    compare = open_page("views/compare.py", runs=",".join(map(str, ids)))
+    summary = next(df.value for df in compare.dataframe if "best_loss" in df.value.columns).set_index("run")
+    for run_id, name in zip(ids, ("long-a", "long-b"), strict=True):
+        assert table.loc[run_id, "final_loss"] == pytest.approx(expected)
+        assert summary.loc[f"#{run_id} {name}", "final_loss"] == pytest.approx(expected)
+
+
+def test_an_edited_run_shows_at_once_and_a_deleted_one_is_not_offered(engine: Engine) -> None:
+    run_id = seed_run(engine, RunConfig(name="before"), steps=10)
+    other = seed_run(engine, RunConfig(name="other"), steps=10)
+    at = open_page("views/runs.py")
+    ran(at.selectbox(key="manage_pick").select(run_id).run())
+    next(t for t in at.text_input if t.label == "Name").input("after")
+    ran(next(b for b in at.button if b.label == "Save").click().run())
+    table = next(df.value for df in at.dataframe if "final_loss" in df.value.columns)
+    assert table.set_index("id").loc[run_id, "name"] == "after"  # not the cached table of a moment ago
+    from ddpdash.trainer.control import delete_run
+
+    delete_run(engine, other)  # from another tab, or the CLI, while this page shows it
+    ran(at.selectbox(key="manage_pick").select(other).run())  # the stale choice: a message, not a traceback
+    ran(at.run())
+
+
+def test_an_export_is_built_only_when_asked(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddpdash.db import queries
+
+    run_id = seed_run(engine, RunConfig(name="exported"), steps=10)
+    calls: list[int] = []
+    real = queries.all_points
+    monkeypatch.setattr(queries, "all_points", lambda s, rid: calls.append(rid) or real(s, rid))
+    at = open_page("views/runs.py")
+    ran(at.selectbox(key="manage_pick").select(run_id).run())
+    ran(at.run())
+    assert calls == []  # the page was drawn twice with the export buttons, and built no export
+    assert [b.label for b in at.get("download_button")] == ["Export CSV", "Export JSON"]

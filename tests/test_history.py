@@ -9,12 +9,13 @@ import pytest
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
-from dashboard import history
-from db.models import MetricChunk, MetricRollup, RankState, RunEvent
-from db.runs import get_run, list_runs, update_run
+from ddpdash.dashboard import history
+from ddpdash.db.models import MetricChunk, MetricRollup, RankState, RunEvent
+from ddpdash.db.runs import get_run, list_runs, update_run
+from ddpdash.trainer.config import RunConfig
+from ddpdash.trainer.control import DeleteError, delete_run
+from ddpdash.trainer.rundir import new_run_dir
 from tests.seed import seed_run
-from trainer.config import RunConfig
-from trainer.launcher import DeleteError, delete_run, new_run_dir
 
 
 @pytest.fixture
@@ -64,15 +65,16 @@ def test_sort_and_pages(engine: Engine, seeded: dict[str, int]) -> None:
         history.sort_and_page(df, "notes")
 
 
-def test_thousands_of_runs_list_quickly_enough_to_page(engine: Engine) -> None:
-    from db.runs import create_run
+def test_thousands_of_runs_page_in_order(engine: Engine) -> None:
+    from ddpdash.db.runs import create_run
 
     with Session(engine) as s, s.begin():
         for i in range(2000):
             create_run(s, key=f"k{i}", name=f"run{i}", config_json=RunConfig().to_json(), world_size=2)
     df = frame(engine)
     page, pages = history.sort_and_page(df, "id", True, 3, 50)
-    assert len(df) == 2000 and pages == 40 and page["id"].iloc[0] == 2000 - 100
+    assert len(df) == 2000 and pages == 40
+    assert page["id"].tolist() == list(range(2000 - 100, 2000 - 150, -1))  # newest first, the third 50
 
 
 def test_config_diff_lists_exactly_the_differing_fields(engine: Engine, seeded: dict[str, int]) -> None:
@@ -163,11 +165,11 @@ def test_delete_removes_every_row_and_file_of_a_run_and_nothing_else(engine: Eng
     folders = {}
     for run_id in (keep, doomed):
         folder = new_run_dir(run_id)
-        (folder / "checkpoint.pt").write_bytes(b"x")
-        (folder / "logs").mkdir()
+        folder.checkpoint.write_bytes(b"x")
+        folder.logs.mkdir()
         with Session(engine) as s, s.begin():
-            update_run(s, run_id, run_dir=str(folder))
-            from db.runs import add_event
+            update_run(s, run_id, run_dir=str(folder.path))
+            from ddpdash.db.runs import add_event
 
             add_event(s, run_id, "note", "hello")
         folders[run_id] = folder
@@ -175,7 +177,7 @@ def test_delete_removes_every_row_and_file_of_a_run_and_nothing_else(engine: Eng
     for model in (MetricChunk, MetricRollup, RankState, RunEvent):
         assert _count(engine, model, doomed) == 0
         assert _count(engine, model, keep) > 0
-    assert not folders[doomed].exists() and (folders[keep] / "checkpoint.pt").exists()
+    assert not folders[doomed].path.exists() and folders[keep].checkpoint.exists()
     with Session(engine) as s:
         assert [r.id for r in list_runs(s)] == [keep]
 

@@ -1,4 +1,4 @@
-"""Launcher and supervisor: real detached torchrun runs on CPU (slow), plus the pure argv builders."""
+"""Process control and the supervisor: real detached torchrun runs on CPU (slow), plus the pure argv builders."""
 
 from __future__ import annotations
 
@@ -12,39 +12,39 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.queries import events, metric_series, rank_states
-from db.runs import RunInfo, get_run
+from ddpdash.db.queries import events, metric_series, rank_states
+from ddpdash.db.runs import RunInfo, get_run
+from ddpdash.trainer.commands import cli_command, torchrun_argv, torchrun_env
+from ddpdash.trainer.config import ConfigInvalid, RunConfig
+from ddpdash.trainer.control import LaunchError, launch, reconcile, stop
+from ddpdash.trainer.rundir import RunDir
+from ddpdash.trainer.supervisor.priority import PriorityError, supervisor_nice
 from tests.conftest import CPU_MACHINE, tiny, wait_final, wait_for
-from trainer.config import ConfigInvalid, RunConfig
-from trainer.launcher import (
-    LaunchError,
-    cli_command,
-    launch,
-    reconcile,
-    stop,
-    supervisor_nice,
-    torchrun_argv,
-    torchrun_env,
-)
 
 
 # ---- pure builders --------------------------------------------------------------------------
 def test_torchrun_argv_is_a_list_built_from_the_config(tmp_path: Path) -> None:
-    argv = torchrun_argv(RunConfig(num_procs=3, max_restarts=2), tmp_path, 17, python="/py")
+    argv = torchrun_argv(RunConfig(num_procs=3, max_restarts=2), RunDir(tmp_path), 17, python="/py")
     assert argv[:3] == ["/py", "-m", "torch.distributed.run"]
     assert argv[argv.index("--nproc-per-node") + 1] == "3"
     assert argv[argv.index("--max-restarts") + 1] == "2"
     assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:0"  # the OS picks a free port per run
     assert argv[argv.index("--rdzv-id") + 1] == "ddpdash-run-17"
     assert argv[argv.index("--log-dir") + 1] == str(tmp_path / "logs")
-    assert argv[-6:] == ["-m", "trainer", "--config", str(tmp_path / "config.json"), "--run-id", "17"]
+    assert argv[-6:] == ["-m", "ddpdash.trainer", "--config", str(tmp_path / "config.json"), "--run-id", "17"]
     assert all(isinstance(a, str) for a in argv)
 
 
-def test_user_text_stays_one_argument(tmp_path: Path) -> None:
-    cfg = RunConfig(name="x; rm -rf / $(whoami)")
-    assert "x; rm -rf / $(whoami)" not in " ".join(torchrun_argv(cfg, tmp_path, 1))  # the name never reaches argv
-    assert cli_command(cfg)[2:4] == ["--name", "x; rm -rf / $(whoami)"]
+def test_user_text_stays_one_argument_in_the_command_shown() -> None:
+    import shlex
+
+    from ddpdash.dashboard.forms import command_previews
+
+    hostile = "x; rm -rf / $(whoami) 'q\""
+    cfg = RunConfig(name=hostile)
+    assert cli_command(cfg)[2:4] == ["--name", hostile]
+    shown, _ = command_previews(cfg)  # what the New-run page offers to copy into a shell
+    assert shlex.split(shown) == cli_command(cfg)  # a shell reads it back as the same argument list
 
 
 def test_env_narrows_gpus_and_shares_cores() -> None:
@@ -64,7 +64,7 @@ def test_invalid_config_launches_nothing_and_writes_nothing(engine: Engine, home
     with pytest.raises(ConfigInvalid, match="batch_size must be ≥ 1"):
         launch(engine, tiny(batch_size=0), CPU_MACHINE)
     with Session(engine) as s:
-        from db.runs import list_runs
+        from ddpdash.db.runs import list_runs
 
         assert list_runs(s) == []
     assert not (home / "runs").exists()
@@ -75,13 +75,13 @@ def test_a_bad_supervisor_priority_is_refused_before_anything_is_written(
 ) -> None:
     assert supervisor_nice({}) == 10 and supervisor_nice({"DDPDASH_SUPERVISOR_NICE": "0"}) == 0
     for bad in ("-5", "20", "low"):
-        with pytest.raises(LaunchError, match=f"SUPERVISOR_NICE must be a whole number from 0 to 19, got '{bad}'"):
+        with pytest.raises(PriorityError, match=f"SUPERVISOR_NICE must be a whole number from 0 to 19, got '{bad}'"):
             supervisor_nice({"DDPDASH_SUPERVISOR_NICE": bad})
     monkeypatch.setenv("DDPDASH_SUPERVISOR_NICE", "high")
-    with pytest.raises(LaunchError):
+    with pytest.raises(LaunchError, match="got 'high'"):
         launch(engine, tiny(), CPU_MACHINE)
     with Session(engine) as s:
-        from db.runs import list_runs
+        from ddpdash.db.runs import list_runs
 
         assert list_runs(s) == []
     assert not (home / "runs").exists()
@@ -156,7 +156,7 @@ def _step(engine: Engine, run_id: int) -> int:
 def test_stop_mid_run_leaves_no_process(engine: Engine) -> None:
     run_id = launch(engine, tiny(max_steps=1_000_000), CPU_MACHINE)
     wait_for(lambda: _step(engine, run_id) >= 5, 60)
-    # Meanwhile: the supervisor steps back for training (trainer.supervision.yield_cpu_to_training),
+    # Meanwhile: the supervisor steps back for training (trainer.supervisor.priority.yield_cpu_to_training),
     # and its workers keep the priority they were launched with.
     wait_for(lambda: len(_run(engine, run_id).worker_pids) >= 2, 10)
     running = _run(engine, run_id)

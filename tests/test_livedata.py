@@ -6,9 +6,9 @@ import time
 
 import pandas as pd
 
-from dashboard import livedata
-from dashboard.text import md_escape
-from db.runs import RunInfo
+from ddpdash.dashboard import livedata
+from ddpdash.dashboard.text import md_escape
+from ddpdash.db.runs import RunInfo
 
 
 def run_info(status: str = "running", total: int | None = 100, started: float | None = None) -> RunInfo:
@@ -86,11 +86,11 @@ def test_finished_runs_are_not_flagged() -> None:
 def test_series_cache_fetches_only_new_points(engine) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy.orm import Session
 
-    from db.writer import MetricWriter
+    from ddpdash.trainer.metrics import direct_logger
     from tests.conftest import make_run
 
     run_id = make_run(engine)
-    w = MetricWriter(engine, run_id, 0, flush_interval_s=3600)
+    w = direct_logger(engine, run_id, 0, send_interval_s=3600)
     for step in range(1, 11):
         w.log(step, {"loss": float(step)})
     w.flush()

@@ -11,10 +11,10 @@ from alembic.config import Config
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.chunks import read_points
-from db.engine import make_engine
-from db.migrate import MIGRATIONS_DIR, current_revision, head_revision, upgrade
-from db.queries import all_points, count_points
+from ddpdash.db.chunks import read_points
+from ddpdash.db.engine import make_engine
+from ddpdash.db.migrate import MIGRATIONS_DIR, current_revision, head_revision, upgrade
+from ddpdash.db.queries import all_points, count_points
 
 POINTS_PER_RANK = 5000  # more than one chunk's worth (the migration's CHUNK_POINTS is 4096)
 

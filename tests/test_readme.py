@@ -7,8 +7,8 @@ import shlex
 
 import pytest
 
+from ddpdash.cli import build_parser
 from tests.conftest import ROOT
-from trainer.cli import build_parser
 
 README = (ROOT / "README.md").read_text()
 

@@ -1,4 +1,4 @@
-"""The metrics relay: a rank's RelayClient → the supervisor's RelayServer → MetricWriter → database."""
+"""The metrics relay: a rank's logger → RelaySender → the supervisor's RelayServer → RankWriter → database."""
 
 from __future__ import annotations
 
@@ -14,14 +14,22 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.buffer import LogRow
-from db.columns import group_logs, pack, unpack
-from db.queries import count_points, events, metric_series, rank_states
-from db.runs import get_run
+from ddpdash.db.columns import LogRow, group_logs, pack, unpack
+from ddpdash.db.queries import count_points, events, metric_series, rank_states
+from ddpdash.db.runs import get_run
+from ddpdash.trainer.metrics import RankLogger
+from ddpdash.trainer.relay import (
+    Hello,
+    Listener,
+    RelayError,
+    RelaySender,
+    recv_frame,
+    relay_from_env,
+    send_frame,
+)
+from ddpdash.trainer.supervisor import relay_server
+from ddpdash.trainer.supervisor.relay_server import RelayServer
 from tests.conftest import ROOT, make_run, wait_for
-from trainer import relay_server
-from trainer.relay import Listener, RelayClient, recv_frame, relay_from_env, send_frame
-from trainer.relay_server import RelayServer
 
 
 @pytest.fixture
@@ -32,8 +40,17 @@ def relay(engine: Engine) -> Iterator[tuple[RelayServer, int]]:
     server.drain(timeout_s=5)
 
 
-def client(server: RelayServer, rank: int = 0, **kw: object) -> RelayClient:
-    return RelayClient(server.listener.address, server.listener.token, rank, **kw)  # type: ignore[arg-type]
+def client(server: RelayServer, rank: int = 0, *, token: str | None = None, device: str = "cpu", attempt: int = 0,
+           resume_after_step: int | None = None, send_interval_s: float = 1.0) -> RankLogger:
+    """A rank's logger sending to `server`, as a launched rank makes it."""
+    return connect(server.listener.address, token or server.listener.token, rank, device=device, attempt=attempt,
+                   resume_after_step=resume_after_step, send_interval_s=send_interval_s)
+
+
+def connect(address: str, token: str, rank: int, *, device: str = "cpu", attempt: int = 0,
+            resume_after_step: int | None = None, send_interval_s: float = 1.0) -> RankLogger:
+    hello = Hello(rank, device, attempt, resume_after_step, os.getpid(), socket.gethostname())
+    return RankLogger(RelaySender(address, token, hello), rank, send_interval_s=send_interval_s)
 
 
 def test_everything_a_rank_sends_is_written_for_that_rank(engine: Engine, relay: tuple[RelayServer, int]) -> None:
@@ -86,16 +103,15 @@ def test_every_batch_is_written_as_it_arrives(engine: Engine, relay: tuple[Relay
     wait_for(lambda: _points(engine, run_id) == 1, 5, every=0.02)
     c.log(2, {"loss": 1.5})
     c.log(3, {"loss": 1.0})
-    # Well before the writer's own timer (WRITER_RETRY_INTERVAL_S) would have written them.
-    wait_for(lambda: _points(engine, run_id) == 3, relay_server.WRITER_RETRY_INTERVAL_S / 2, every=0.02)
+    # Within a few send intervals: each frame is written as it arrives, nothing waits for a timer.
+    wait_for(lambda: _points(engine, run_id) == 3, 2.0, every=0.02)
     c.close()
 
 
 def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
-    engine: Engine, relay: tuple[RelayServer, int], monkeypatch: pytest.MonkeyPatch
+    engine: Engine, relay: tuple[RelayServer, int]
 ) -> None:
     server, run_id = relay
-    monkeypatch.setattr(relay_server, "WRITER_RETRY_INTERVAL_S", 0.5)  # the writer's timer runs while it is silent
     host, port = server.listener.address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
     send_frame(sock, ("hello", server.listener.token, 0, "cpu", 0, None, 4242, "node-a"))
@@ -103,7 +119,7 @@ def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
     wait_for(lambda: _points(engine, run_id) == 1, 10, every=0.02)
     with Session(engine) as s:
         heard = rank_states(s, run_id).iloc[0]["heartbeat_at"]
-    time.sleep(2.5)  # silent, like a frozen process: the writer's timer flushes, the heartbeat must not move
+    time.sleep(2.5)  # silent, like a frozen process: the heartbeat must not move
     with Session(engine) as s:
         state = rank_states(s, run_id).iloc[0]
     assert state["heartbeat_at"] == heard and time.time() - heard >= 2.5
@@ -114,14 +130,15 @@ def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
 def test_a_rank_that_dies_without_closing_keeps_what_it_sent(engine: Engine, relay: tuple[RelayServer, int]) -> None:
     server, run_id = relay
     code = (
-        "import sys; from trainer.relay import RelayClient\n"
-        "c = RelayClient(sys.argv[1], sys.argv[2], 0, send_interval_s=0.05)\n"
+        "import sys; from tests.test_relay import connect\n"
+        "c = connect(sys.argv[1], sys.argv[2], 0, send_interval_s=0.05)\n"
         "[c.log(i, {'loss': float(i)}) for i in range(1, 101)]\n"
         "c.flush()\n"  # sent and written: what follows is a death, not a race
         "import os; os._exit(1)\n"  # no close(): killed mid-run
     )
-    subprocess.run([sys.executable, "-c", code, server.listener.address, server.listener.token], cwd=ROOT, check=False,
-                   timeout=60)
+    died = subprocess.run([sys.executable, "-c", code, server.listener.address, server.listener.token], cwd=ROOT,
+                          timeout=60, capture_output=True, text=True)
+    assert died.returncode == 1, died.stderr  # os._exit(1), not an import error
     server.drain(timeout_s=10)
     with Session(engine) as s:
         assert count_points(s, run_id) == 100
@@ -130,7 +147,7 @@ def test_a_rank_that_dies_without_closing_keeps_what_it_sent(engine: Engine, rel
 
 def test_a_connection_without_the_token_is_refused(engine: Engine, relay: tuple[RelayServer, int]) -> None:
     server, run_id = relay
-    c = RelayClient(server.listener.address, "not-the-token", 0, send_interval_s=0.05)
+    c = client(server, token="not-the-token", send_interval_s=0.05)
     c.log(1, {"loss": 1.0})
     c.close()  # never raises into training: the refusal is logged and the metrics dropped
     with Session(engine) as s:
@@ -145,8 +162,8 @@ def test_a_restarted_rank_replaces_what_the_failed_attempt_wrote_after_the_check
     first = client(server, send_interval_s=0.05)
     for step in range(1, 31):
         first.log(step, {"loss": float(step)})
-    first._send_batch()
-    first._sock.close()  # the attempt is killed: no goodbye
+    first.flush()
+    first.sender._sock.close()  # type: ignore[attr-defined]  # the attempt is killed: no goodbye
     second = client(server, attempt=1, resume_after_step=20, send_interval_s=0.05)
     for step in range(21, 41):
         second.log(step, {"loss": -float(step)})
@@ -161,7 +178,7 @@ def test_a_restarted_rank_replaces_what_the_failed_attempt_wrote_after_the_check
 
 def test_a_rank_keeps_training_when_the_supervisor_is_gone(engine: Engine) -> None:
     listener = Listener()
-    c = RelayClient(listener.address, listener.token, 0, send_interval_s=0.01)
+    c = connect(listener.address, listener.token, 0, send_interval_s=0.01)
     listener.close()  # accepted by the backlog, never served
     for step in range(1, 2001):
         c.log(step, {"loss": 1.0})
@@ -211,7 +228,7 @@ def through_the_wire(logs: list[LogRow]) -> list[LogRow]:
 def test_malformed_frames_are_rejected() -> None:
     a, b = socket.socketpair()
     a.sendall(b"\x00\x00\x00\x01N")  # marshal of None: not a tuple
-    with pytest.raises(Exception, match="malformed"):
+    with pytest.raises(RelayError, match="malformed"):
         recv_frame(b)
     a.close()
     b.close()
@@ -227,10 +244,8 @@ def test_a_busy_database_at_registration_is_retried_not_fatal(
 ) -> None:
     from sqlalchemy.exc import OperationalError
 
-    import trainer.relay_server as relay_server
-
     server, run_id = relay
-    real, calls = relay_server.MetricWriter, []
+    real, calls = relay_server.RankWriter, []
 
     def busy_once(*args: object, **kw: object) -> object:
         calls.append(1)
@@ -238,7 +253,7 @@ def test_a_busy_database_at_registration_is_retried_not_fatal(
             raise OperationalError("INSERT", {}, Exception("database is locked"))
         return real(*args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(relay_server, "MetricWriter", busy_once)
+    monkeypatch.setattr(relay_server, "RankWriter", busy_once)
     c = client(server, send_interval_s=0.05)
     c.log(1, {"loss": 1.0})
     c.close(status="done")

@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.migrate import open_store
-from db.queries import events, metric_series, rank_states
+from ddpdash.db.migrate import open_store
+from ddpdash.db.queries import events, metric_series, rank_states
 from tests.conftest import run_in_dir, tiny, torchrun_by_hand
 
 pytestmark = pytest.mark.slow
@@ -126,7 +126,7 @@ def test_a_resumed_run_continues_at_the_checkpoint_step(store) -> None:  # type:
     second = torchrun_by_hand(tiny(max_steps=35, checkpoint_every=10), run_dir, url)
     assert second.returncode == 0, second.stderr[-3000:]
     with Session(engine) as s:
-        from db.runs import list_runs
+        from ddpdash.db.runs import list_runs
 
         second_id = next(r.id for r in list_runs(s) if r.run_dir == str(run_dir.resolve()) and r.id != first_id)
         loss = metric_series(s, second_id, "loss")
@@ -143,7 +143,7 @@ def test_single_plain_process_without_torchrun(store) -> None:  # type: ignore[n
     run_dir = root / "plain"
     run_dir.mkdir()
     (run_dir / "config.json").write_text(tiny(max_steps=5).to_json())
-    result = subprocess.run([sys.executable, "-m", "trainer", "--config", str(run_dir / "config.json")],
+    result = subprocess.run([sys.executable, "-m", "ddpdash.trainer", "--config", str(run_dir / "config.json")],
                             env={**__import__("os").environ, "DDPDASH_DB_URL": url}, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -176,7 +176,7 @@ def test_two_nodes_register_one_run_with_every_rank(store) -> None:  # type: ign
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-node-job",
-            "-m", "trainer", "--config", str(run_dir / "config.json")]
+            "-m", "ddpdash.trainer", "--config", str(run_dir / "config.json")]
     env = {**os.environ, "DDPDASH_DB_URL": url, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]

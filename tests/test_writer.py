@@ -1,4 +1,4 @@
-"""The per-rank metric writer and the downsampling queries it feeds."""
+"""A rank's metrics into the store (the rank's logger, db.store's RankWriter) and the downsampling queries."""
 
 from __future__ import annotations
 
@@ -11,18 +11,19 @@ from sqlalchemy import Engine, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from db import writer
-from db.columns import group_logs
-from db.engine import make_engine
-from db.models import ROLLUP_WIDTHS, MetricRollup
-from db.queries import all_points, count_points, metric_series, rank_states
-from db.writer import MetricWriter
+from ddpdash.db import store
+from ddpdash.db.columns import Batch, group_logs
+from ddpdash.db.engine import make_engine
+from ddpdash.db.models import ROLLUP_WIDTHS, MetricRollup
+from ddpdash.db.queries import all_points, count_points, metric_series, rank_states
+from ddpdash.db.store import RankWriter
+from ddpdash.trainer.metrics import direct_logger
 from tests.conftest import make_run, wait_for
 
 
 def test_first_point_is_written_at_once_and_later_ones_wait_for_the_flush(engine: Engine) -> None:
     run_id = make_run(engine)
-    w = MetricWriter(engine, run_id, 0, flush_interval_s=60)
+    w = direct_logger(engine, run_id, 0, send_interval_s=60)
     w.log(1, {"loss": 1.0})
     wait_for(lambda: points(engine, run_id) == 1, 5, every=0.02)
     w.log(2, {"loss": 0.5})  # returns at once; written at the next flush (60 s away) or at close
@@ -41,7 +42,7 @@ def points(engine: Engine, run_id: int) -> int:
 
 def test_background_thread_flushes_within_a_second_or_so(engine: Engine) -> None:
     run_id = make_run(engine)
-    w = MetricWriter(engine, run_id, 0, flush_interval_s=0.2)
+    w = direct_logger(engine, run_id, 0, send_interval_s=0.2)
     w.log(1, {"loss": 1.0})
     w.log(2, {"loss": 0.9})
     wait_for(lambda: points(engine, run_id) == 2, 5, every=0.05)
@@ -50,7 +51,7 @@ def test_background_thread_flushes_within_a_second_or_so(engine: Engine) -> None
 
 def test_heartbeat_and_step_update_with_each_flush(engine: Engine) -> None:
     run_id = make_run(engine)
-    w = MetricWriter(engine, run_id, 3, flush_interval_s=60)
+    w = direct_logger(engine, run_id, 3, send_interval_s=60)
     before = time.time()
     w.log(7, {"loss": 0.5})
     w.flush()
@@ -61,7 +62,7 @@ def test_heartbeat_and_step_update_with_each_flush(engine: Engine) -> None:
 
 
 def write_series(engine: Engine, run_id: int, rank: int, steps: int, flush_every: int = 997) -> list[float]:
-    w = MetricWriter(engine, run_id, rank, flush_interval_s=3600)
+    w = direct_logger(engine, run_id, rank, send_interval_s=3600)
     values = [((i * 7919) % 1000) / 10.0 for i in range(1, steps + 1)]
     for i, v in enumerate(values, start=1):
         w.log(i, {"loss": v})
@@ -75,7 +76,7 @@ def test_downsampled_series_respects_the_budget_and_keeps_peaks(engine: Engine) 
     run_id = make_run(engine)
     values = write_series(engine, run_id, 0, 20_000)
     values[12_345] = 1e6  # a spike must survive downsampling
-    w = MetricWriter(engine, run_id, 1, flush_interval_s=3600)
+    w = direct_logger(engine, run_id, 1, send_interval_s=3600)
     for i, v in enumerate(values, start=1):
         w.log(i, {"loss": v})
     w.close()
@@ -94,13 +95,12 @@ def test_rollups_match_raw_aggregation_across_flush_boundaries(engine: Engine) -
     with Session(engine) as s:
         df = metric_series(s, run_id, "loss", max_points=100)
     raw = pd.DataFrame({"step": range(1, 5001), "value": values})
-    width = 5000 // 99 + 1  # what the query must have chosen: a multiple of a rollup width ≥ span/99
-    assert df["count"].sum() == 5000
+    # 100 points for 5000 steps need buckets of ≥ 51 steps: the 64-step rollup level, read as stored.
+    assert len(df) == 5000 // 64 + 1 and df["count"].sum() == 5000
     first = df.iloc[0]
     covered = raw[raw["step"] <= first["step"]]
     assert first["vmin"] == covered["value"].min() and first["vmax"] == covered["value"].max()
-    assert abs(first["value"] - covered["value"].mean()) < 1e-9
-    assert len(df) <= 100 and width > 0
+    assert first["step"] == 63 and abs(first["value"] - covered["value"].mean()) < 1e-9
 
 
 @pytest.mark.parametrize("rewrite", ["upsert", "delete then insert"])
@@ -112,24 +112,25 @@ def test_every_rollup_matches_the_points_it_summarises(
     the database refused once; every rollup row must equal the aggregate of its points. Open buckets
     are rewritten by an upsert on SQLite and PostgreSQL, by delete-then-insert on other databases."""
     if rewrite != "upsert":
-        monkeypatch.setattr(writer, "_UPSERT_ROLLUPS", {})
+        monkeypatch.setattr(store, "_UPSERT_ROLLUPS", {})
     run_id = make_run(engine)
-    direct = MetricWriter(engine, run_id, 0, flush_interval_s=3600)
-    relayed = MetricWriter(engine, run_id, 1, flush_interval_s=3600)
+    direct = direct_logger(engine, run_id, 0, send_interval_s=3600)
+    relayed = RankWriter(engine, run_id, 1)
     steps = [(step, 1000.0 + step, loop_values(step)) for step in range(1, 3001)]
     for start in range(0, 3000, 250):
         chunk = steps[start : start + 250]
         for step, at, values in chunk:
             direct.log(step, values, at=at)
-        relayed.log_groups(group_logs(chunk))
-        if start == 1500:  # the database refuses this batch: it is kept and written with the next one
+        batch = Batch(group_logs(chunk), [])
+        if start == 1500:  # the database refuses this batch: it is held and written with the next one
             refuse_once(monkeypatch)
             with pytest.raises(OperationalError):
-                relayed.flush()
+                relayed.write(batch)
+        else:
+            relayed.write(batch)
         direct.flush()
-        relayed.flush()
     direct.close()
-    relayed.close()
+    relayed.close(Batch([], []))
     with Session(engine) as s:
         points = all_points(s, run_id).rename(columns={"metric": "name"})
         rollups = pd.read_sql(select(MetricRollup).where(MetricRollup.run_id == run_id), s.connection())
@@ -144,20 +145,20 @@ def test_a_long_outage_keeps_the_newest_steps_and_counts_the_rest(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_id = make_run(engine)
-    relayed = MetricWriter(engine, run_id, 0, flush_interval_s=3600)
-    monkeypatch.setattr(writer, "MAX_BUFFERED_LOGS", 250)
-    original = writer.execute_many
+    relayed = RankWriter(engine, run_id, 0)
+    monkeypatch.setattr(store, "MAX_BUFFERED_LOGS", 250)
+    original = store.execute_many
 
     def refuse(*args: object) -> None:
         raise OperationalError("INSERT", {}, Exception("database is locked"))
 
-    monkeypatch.setattr(writer, "execute_many", refuse)
+    monkeypatch.setattr(store, "execute_many", refuse)
     for start in range(1, 501, 100):  # five batches of 100 steps, each refused
-        relayed.log_groups(group_logs([(step, float(step), {"loss": 1.0}) for step in range(start, start + 100)]))
         with pytest.raises(OperationalError):
-            relayed.flush()
-    monkeypatch.setattr(writer, "execute_many", original)
-    relayed.close()
+            relayed.write(Batch(group_logs([(step, float(step), {"loss": 1.0}) for step in range(start, start + 100)]),
+                                []))
+    monkeypatch.setattr(store, "execute_many", original)
+    relayed.close(Batch([], []))
     assert relayed.dropped == 300  # whole batches, oldest first, until at most 250 steps wait
     with Session(engine) as s:
         assert metric_series(s, run_id, "loss", max_points=10_000)["step"].tolist() == list(range(301, 501))
@@ -171,13 +172,13 @@ def loop_values(step: int) -> dict[str, float]:
 
 
 def refuse_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = writer.execute_many
+    original = store.execute_many
 
     def refuse(*args: object) -> None:
-        monkeypatch.setattr(writer, "execute_many", original)
+        monkeypatch.setattr(store, "execute_many", original)
         raise OperationalError("INSERT", {}, Exception("database is locked"))
 
-    monkeypatch.setattr(writer, "execute_many", refuse)
+    monkeypatch.setattr(store, "execute_many", refuse)
 
 
 def aggregate(points: pd.DataFrame, width: int) -> pd.DataFrame:
@@ -210,7 +211,7 @@ def test_resume_discards_steps_after_the_checkpoint(engine: Engine) -> None:
     run_id = make_run(engine)
     values = write_series(engine, run_id, 0, 1000)
     write_series(engine, run_id, 1, 1000)
-    w = MetricWriter(engine, run_id, 0, flush_interval_s=3600, attempt=1, resume_after_step=600)
+    w = direct_logger(engine, run_id, 0, send_interval_s=3600, attempt=1, resume_after_step=600)
     for i in range(601, 701):
         w.log(i, {"loss": -1.0})
     w.close()
@@ -229,7 +230,7 @@ def test_resume_discards_steps_after_the_checkpoint(engine: Engine) -> None:
 
 def _writer_process(db_url: str, run_id: int, rank: int, n: int) -> None:
     engine = make_engine(db_url)
-    w = MetricWriter(engine, run_id, rank, flush_interval_s=0.05)
+    w = direct_logger(engine, run_id, rank, send_interval_s=0.05)
     for step in range(1, n + 1):
         w.log(step, {"loss": float(step), "samples_per_s": 1.0})
     w.close(status="done")

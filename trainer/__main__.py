@@ -1,13 +1,13 @@
 """Run one rank of a ddpdash training run (what torchrun starts):
 
-    torchrun --nproc-per-node 2 -m trainer --config RUN_DIR/config.json [--run-id N] [--db-url URL]
+    torchrun --nproc-per-node 2 -m ddpdash.trainer --config RUN_DIR/config.json [--run-id N] [--db-url URL]
 
 or, as one plain process without torchrun:
 
-    python -m trainer --config RUN_DIR/config.json
+    python -m ddpdash.trainer --config RUN_DIR/config.json
 """
 
-from trainer.train import main
+from .train import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

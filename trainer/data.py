@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from trainer.config import RunConfig
+from .config import RunConfig
 
 VAL_FRACTION = 0.2
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.config import RunConfig
-from trainer.data import Data
+from .config import RunConfig
+from .data import Data
 
 
 class MLP(nn.Module):

@@ -1,5 +1,5 @@
 """The metrics relay: ranks of a launched run hand their metrics to the run's supervisor, which writes
-them to the database (trainer/relay_server.py), instead of writing from the training process.
+them to the database (trainer/supervisor/relay_server.py), instead of writing from the training process.
 
 Why: a writer thread inside the rank shares the GIL with the training loop. Inserting a second's
 worth of points (thousands of rows) hands the GIL back and forth with a loop whose steps are well
@@ -7,39 +7,33 @@ under a millisecond, and that cost the loop 10–20 %. Here the rank only append
 per interval, sends one marshalled frame over a loopback socket; the database work happens in the
 supervisor's process. The rank never imports SQLAlchemy either, which takes it off the launch path.
 
-This module is light on purpose (standard library only): every rank imports it.
+This module is light on purpose (standard library only): every rank imports it; the supervisor imports
+it for the frames and the listening socket.
 Frames: 4-byte big-endian length, then `marshal` of a tuple. The first frame is
 ("hello", token, rank, device, attempt, resume_after_step, pid, host); then ("batch", groups, events,
 status, total_steps) at least once per interval (the heartbeat), the steps as packed columns
-(db/columns.py); ("flush",) and ("close", status) are answered with ("ok",) once written. marshal
-cannot run code; the token keeps other local users out.
+(db/columns.py); ("flush",) and ("close",) are answered with ("ok",) once written, or ("failed", why).
+marshal cannot run code; the token keeps other local users out.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import marshal
 import os
 import secrets
 import socket
 import struct
-import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from db.buffer import LogBuffer
-from db.columns import group_logs, pack
+from ddpdash.db.columns import Batch, Event, pack, unpack
 
 log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "DDPDASH_RELAY"  # host:port of the supervisor's relay, set only for ranks it launched
 TOKEN_ENV = "DDPDASH_RELAY_TOKEN"
-# Once a second: each frame costs the supervisor a write whatever its size (a commit, the rollup
-# buckets still filling rewritten), and with no idle core that CPU is taken from a rank. Going from
-# 0.5 s to 1 s (with fewer rollup rows) took the two-rank logging benchmark's batch cost from 1.1–1.6 %
-# to 0.4–0.7 % (bench/README.md); the Live page refreshes every 1.5 s anyway. Also the heartbeat: the
-# supervisor stamps the rank alive on every frame.
-SEND_INTERVAL_S = 1.0
 ACK_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct("!I")
 
@@ -49,6 +43,40 @@ class RelayError(Exception):
 
 
 # ---- frames ----------------------------------------------------------------------------------
+class Hello(NamedTuple):
+    """Who is on the other end of a rank's connection."""
+
+    rank: int
+    device: str
+    attempt: int
+    resume_after_step: int | None
+    pid: int
+    host: str
+
+
+def hello_frame(token: str, hello: Hello) -> tuple[Any, ...]:
+    return ("hello", token, *hello)
+
+
+def read_hello(frame: tuple[Any, ...] | None, token: str) -> Hello | None:
+    """The rank's introduction, or None when the frame is not one that carries the run's token."""
+    if (frame is None or len(frame) != 8 or frame[0] != "hello" or not isinstance(frame[1], str)
+            or not hmac.compare_digest(frame[1], token)):
+        return None
+    rank, device, attempt, resume, pid, host = frame[2:]
+    return Hello(int(rank), str(device), int(attempt), None if resume is None else int(resume), int(pid), str(host))
+
+
+def batch_frame(batch: Batch) -> tuple[Any, ...]:
+    return ("batch", pack(batch.groups), [tuple(e) for e in batch.events], batch.status, batch.total_steps)
+
+
+def read_batch(frame: tuple[Any, ...]) -> Batch:
+    """A batch frame's contents, checked (ValueError for columns that disagree in length)."""
+    _, groups, events, status, total = frame
+    return Batch(unpack(groups), [Event(*e) for e in events], status, total)
+
+
 def send_frame(sock: socket.socket, message: tuple[Any, ...]) -> None:
     data = marshal.dumps(message)
     sock.sendall(_LENGTH.pack(len(data)) + data)
@@ -107,82 +135,46 @@ def relay_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str] | No
 
 
 # ---- the rank's end --------------------------------------------------------------------------
-class RelayClient(LogBuffer):
-    """MetricWriter's interface for a rank whose supervisor writes the database. Never raises into,
-    or blocks, the training step; close() returns once the supervisor has written everything."""
+class RelaySender:
+    """A rank's sender (trainer/metrics.py) when its supervisor writes the database: every batch goes
+    as one frame. Connects at once (OSError if the supervisor cannot be reached); never raises after."""
 
-    def __init__(
-        self,
-        address: str,
-        token: str,
-        rank: int,
-        *,
-        device: str = "cpu",
-        attempt: int = 0,
-        resume_after_step: int | None = None,
-        send_interval_s: float = SEND_INTERVAL_S,
-    ) -> None:
-        super().__init__(rank, status=None)
-        self.send_interval_s = send_interval_s
-        self._total: int | None = None
-        self._send_lock = threading.Lock()
+    def __init__(self, address: str, token: str, hello: Hello) -> None:
+        self.rank = hello.rank
+        self.dropped = 0
         self._broken = False
         host, port = address.rsplit(":", 1)
         self._sock = socket.create_connection((host, int(port)), timeout=ACK_TIMEOUT_S)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send_frame(self._sock, ("hello", token, rank, device, attempt, resume_after_step, os.getpid(),
-                                socket.gethostname()))
-        self._thread = threading.Thread(target=self._run, name=f"ddpdash-relay-r{rank}", daemon=True)
-        self._thread.start()
+        send_frame(self._sock, hello_frame(token, hello))
 
-    def set_total_steps(self, total: int) -> None:
-        self._total = total
+    def send(self, batch: Batch) -> None:
+        if self._broken:
+            self.dropped += _steps(batch)
+            return
+        try:
+            send_frame(self._sock, batch_frame(batch))
+        except (OSError, ValueError, TypeError) as exc:
+            self._give_up(exc, _steps(batch))
 
     def flush(self) -> None:
-        """Send what is buffered and wait until the supervisor has written it."""
         self._request(("flush",))
 
-    def close(self, status: str | None = None) -> None:
-        if not self._halt(status):
-            return
-        self._request(("close", self._status))
+    def close(self, batch: Batch) -> None:
+        self.send(batch)
+        self._request(("close",))
         self._sock.close()
 
-    # ---- background --------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.send_interval_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                return  # close() sends what is left
-            self._send_batch()
-
-    def _send_batch(self) -> bool:
-        logs, events = self._take()
-        with self._send_lock:
-            if self._broken:
-                self.dropped += len(logs)
-                return False
-            try:
-                send_frame(self._sock, ("batch", pack(group_logs(logs)), events, self._status, self._total))
-                return True
-            except (OSError, ValueError, TypeError) as exc:
-                self._give_up(exc, len(logs))
-                return False
-
     def _request(self, message: tuple[Any, ...]) -> None:
-        """Send the buffer, then `message`, and wait for the supervisor's ("ok",)."""
-        if not self._send_batch():
+        """Send `message` and wait for the supervisor's ("ok",): everything before it is written."""
+        if self._broken:
             return
-        with self._send_lock:
-            if self._broken:
-                return
-            try:
-                send_frame(self._sock, message)
-                reply = recv_frame(self._sock)
-            except (OSError, ValueError, RelayError) as exc:
-                self._give_up(exc, 0)
-                return
+        try:
+            send_frame(self._sock, message)
+            reply = recv_frame(self._sock)
+        except (OSError, ValueError, RelayError) as exc:
+            self._give_up(exc, 0)
+            return
         if reply is None or reply[0] not in ("ok", "failed"):
             self._give_up(RelayError(f"the supervisor answered {reply!r} to {message[0]}"), 0)
         elif reply[0] == "failed":
@@ -194,3 +186,7 @@ class RelayClient(LogBuffer):
         self._broken = True
         self.dropped += lost
         log.warning("rank %d: metrics relay lost (%s); later metrics are dropped", self.rank, exc)
+
+
+def _steps(batch: Batch) -> int:
+    return sum(len(g.steps) for g in batch.groups)

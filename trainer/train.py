@@ -1,4 +1,4 @@
-"""The DDP training loop. See trainer/__main__.py for the command that runs it."""
+"""The DDP training loop, in each rank. trainer/__main__.py has the command that runs it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,27 +27,17 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainer.config import RunConfig
-from trainer.data import Data, keep_batch, load
-from trainer.faults import Fault, InjectedFault, parse_faults
-from trainer.models import build
-from trainer.relay import RelayClient, relay_from_env
+from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
 
-log = logging.getLogger("trainer")
-CHECKPOINT_NAME = "checkpoint.pt"
+from .config import RunConfig
+from .data import Data, keep_batch, load
+from .faults import Fault, InjectedFault, parse_faults
+from .metrics import RankLogger, direct_logger
+from .models import build
+from .relay import Hello, RelaySender, relay_from_env
+from .rundir import RunDir
 
-
-class Writer(Protocol):
-    """Where a rank's metrics go: db.writer.MetricWriter (straight to the database) or
-    trainer.relay.RelayClient (through the supervisor that launched the run)."""
-
-    dropped: int
-
-    def log(self, step: int, values: dict[str, float], at: float | None = None) -> None: ...
-    def event(self, kind: str, message: str, detail: str = "") -> None: ...
-    def set_status(self, status: str) -> None: ...
-    def set_total_steps(self, total: int) -> None: ...
-    def close(self, status: str | None = None) -> None: ...
+log = logging.getLogger(__name__)
 
 
 # ---- process group ---------------------------------------------------------------------------
@@ -197,9 +187,9 @@ def evaluate(cfg: RunConfig, model: nn.Module, data: Data, device: torch.device)
         if data.task == "classification":
             correct += int((out.argmax(-1) == y).sum())
     model.train()
-    result = {"val_loss": total / max(count, 1)}
+    result = {Metric.VAL_LOSS: total / max(count, 1)}
     if data.task == "classification":
-        result["val_acc"] = correct / max(count, 1)
+        result[Metric.VAL_ACC] = correct / max(count, 1)
     return result
 
 
@@ -228,87 +218,125 @@ class Window:
 
 
 # ---- the loop --------------------------------------------------------------------------------
-def train(cfg: RunConfig, env: DistEnv, writer: Writer, run_dir: Path, stop: StopFlag,
-          faults: list[Fault], checkpoint: dict[str, Any] | None = None) -> str:
-    """Train until done or asked to stop; returns the rank's final status ("done" or "stopped")."""
+@dataclass
+class Trainee:
+    """What a rank trains, and the settings each step reads."""
+
+    cfg: RunConfig
+    env: DistEnv
+    data: Data
+    module: nn.Module  # the replica itself: checkpoints and sync checks read it
+    model: nn.Module  # what forward runs through: the DDP wrapper when distributed
+    opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    samples_per_step: int
+    tokens_per_sample: int
+
+
+def make_trainee(cfg: RunConfig, env: DistEnv, data: Data) -> Trainee:
     torch.manual_seed(cfg.seed)  # same seed on every rank: replicas start identical
-    data = load(cfg)
     module = build(cfg, data).to(env.device)
-    model = wrap_ddp(cfg, module, env)
-    opt = make_optimizer(cfg, module.parameters())
-    scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16")
-    ckpt = run_dir / CHECKPOINT_NAME
-    step = apply_checkpoint(checkpoint, module, opt, scaler) if checkpoint else 0
-    sampler = DistributedSampler(data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True,
+    return Trainee(
+        cfg, env, data, module, wrap_ddp(cfg, module, env), make_optimizer(cfg, module.parameters()),
+        torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16"),
+        samples_per_step=cfg.batch_size * cfg.grad_accum_steps,
+        tokens_per_sample=cfg.seq_len if data.task == "lm" else 0,
+    )
+
+
+def make_loader(t: Trainee) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
+    cfg, env = t.cfg, t.env
+    sampler = DistributedSampler(t.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    loader = DataLoader(data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+    loader = DataLoader(t.data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
                         collate_fn=keep_batch, drop_last=True, pin_memory=env.device.type == "cuda",
                         persistent_workers=cfg.num_workers > 0)
+    return loader, sampler
+
+
+def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, stop: StopFlag,
+          faults: list[Fault], checkpoint: dict[str, Any] | None = None) -> str:
+    """Train until done or asked to stop; returns the rank's final status (done or stopped)."""
+    t = make_trainee(cfg, env, load(cfg))
+    step = apply_checkpoint(checkpoint, t.module, t.opt, t.scaler) if checkpoint else 0
+    loader, sampler = make_loader(t)
     steps_per_epoch = max(len(loader) // cfg.grad_accum_steps, 1)
     total = total_steps(cfg, steps_per_epoch)
     if env.rank == 0:
-        writer.set_total_steps(total)
+        logger.set_total_steps(total)
     sample_log = _sample_log(env)
-    samples_per_step = cfg.batch_size * cfg.grad_accum_steps
-    tokens_per_sample = cfg.seq_len if data.task == "lm" else 0
     window = Window()
     first_step = step
     epoch = step // steps_per_epoch
     while step < total and not stop.requested:
         sampler.set_epoch(epoch)
         batches = iter(loader)
-        skip = (step % steps_per_epoch) * cfg.grad_accum_steps  # resume mid-epoch where we left off
-        for _ in range(skip):
+        for _ in range((step % steps_per_epoch) * cfg.grad_accum_steps):  # resume mid-epoch where we left off
             next(batches)
         for _ in range(steps_per_epoch - step % steps_per_epoch):
             if step >= total or stop.requested:
                 break
             step += 1
-            for g in opt.param_groups:
-                g["lr"] = lr_at(cfg, step)
             # static_graph + no_sync fails on the very first iteration (NOTES): sync that one fully.
             may_skip_sync = env.distributed and not (cfg.static_graph and step == first_step + 1)
-            for micro in range(cfg.grad_accum_steps):
-                t0 = time.perf_counter()
-                x, y, idx = next(batches)
-                x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-                t1 = time.perf_counter()
-                window.data_s += t1 - t0
-                if sample_log is not None:
-                    sample_log.write(" ".join(map(str, idx.tolist())) + "\n")
-                last_micro = micro == cfg.grad_accum_steps - 1
-                sync_ctx = model.no_sync() if may_skip_sync and not last_micro else contextlib.nullcontext()
-                with sync_ctx:
-                    with autocast(cfg, env.device):
-                        loss = loss_fn(data.task, model(x), y) / cfg.grad_accum_steps
-                    scaler.scale(loss).backward()
-                detached = loss.detach()
-                window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
-                window.compute_s += time.perf_counter() - t1
-            t2 = time.perf_counter()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            window.compute_s += time.perf_counter() - t2
-            window.steps += 1
-            window.samples += samples_per_step
-            apply_faults(faults, env, step, module)
-            if step % cfg.log_every == 0 or step == total:
-                writer.log(step, window_metrics(window, opt, env, tokens_per_sample))
-                window = Window()
-            if cfg.sync_check_every and env.distributed and step % cfg.sync_check_every == 0:
-                bad = sync_check(module, env)
-                if bad and env.rank == 0:
-                    writer.event("desync", f"replicas out of sync at step {step}: rank(s) {bad} differ from rank 0")
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and env.rank == 0:
-                save_checkpoint(ckpt, module, opt, scaler, step)
+            train_step(t, step, batches, window, may_skip_sync, sample_log)
+            apply_faults(faults, env, step, t.module)
+            window = after_step(t, step, total, window, logger, run_dir)
         if step % steps_per_epoch == 0 or step >= total:
             if env.rank == 0:
-                writer.log(step, {**evaluate(cfg, module, data, env.device), "epoch": float(epoch + 1)})
+                logger.log(step, {**evaluate(cfg, t.module, t.data, env.device), Metric.EPOCH: float(epoch + 1)})
             epoch += 1
     if sample_log is not None:
         sample_log.close()
-    return "stopped" if stop.requested and step < total else "done"
+    return RankStatus.STOPPED if stop.requested and step < total else RankStatus.DONE
+
+
+def train_step(t: Trainee, step: int, batches: Iterator[Any], window: Window, may_skip_sync: bool,
+               sample_log: Any) -> None:
+    """One optimizer step: grad_accum_steps micro-batches (no_sync on all but the last), then the update."""
+    cfg, env = t.cfg, t.env
+    for g in t.opt.param_groups:
+        g["lr"] = lr_at(cfg, step)
+    for micro in range(cfg.grad_accum_steps):
+        t0 = time.perf_counter()
+        x, y, idx = next(batches)
+        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        t1 = time.perf_counter()
+        window.data_s += t1 - t0
+        if sample_log is not None:
+            sample_log.write(" ".join(map(str, idx.tolist())) + "\n")
+        last_micro = micro == cfg.grad_accum_steps - 1
+        sync_ctx = t.model.no_sync() if may_skip_sync and not last_micro else contextlib.nullcontext()
+        with sync_ctx:
+            with autocast(cfg, env.device):
+                loss = loss_fn(t.data.task, t.model(x), y) / cfg.grad_accum_steps
+            t.scaler.scale(loss).backward()
+        detached = loss.detach()
+        window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
+        window.compute_s += time.perf_counter() - t1
+    t2 = time.perf_counter()
+    t.scaler.step(t.opt)
+    t.scaler.update()
+    t.opt.zero_grad(set_to_none=True)
+    window.compute_s += time.perf_counter() - t2
+    window.steps += 1
+    window.samples += t.samples_per_step
+
+
+def after_step(t: Trainee, step: int, total: int, window: Window, logger: RankLogger, run_dir: RunDir) -> Window:
+    """What follows a step: its metrics at log steps, the replica-sync check, the checkpoint. Returns the
+    window the next step adds to."""
+    cfg, env = t.cfg, t.env
+    if step % cfg.log_every == 0 or step == total:
+        logger.log(step, window_metrics(window, t.opt, env, t.tokens_per_sample))
+        window = Window()
+    if cfg.sync_check_every and env.distributed and step % cfg.sync_check_every == 0:
+        bad = sync_check(t.module, env)
+        if bad and env.rank == 0:
+            logger.event(EventKind.DESYNC, f"replicas out of sync at step {step}: rank(s) {bad} differ from rank 0")
+    if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and env.rank == 0:
+        save_checkpoint(run_dir.checkpoint, t.module, t.opt, t.scaler, step)
+    return window
 
 
 def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
@@ -321,16 +349,16 @@ def window_metrics(w: Window, opt: torch.optim.Optimizer, env: DistEnv, tokens_p
     elapsed = max(time.perf_counter() - w.start, 1e-9)
     assert w.loss_sum is not None
     values = {
-        "loss": float(w.loss_sum.item()) / max(w.steps, 1),  # .item() is a device sync: only at log steps
-        "samples_per_s": w.samples / elapsed,
-        "step_time": w.compute_s / max(w.steps, 1),
-        "data_time": w.data_s / max(w.steps, 1),
-        "lr": float(opt.param_groups[0]["lr"]),
+        Metric.LOSS: float(w.loss_sum.item()) / max(w.steps, 1),  # .item() is a device sync: only at log steps
+        Metric.SAMPLES_PER_S: w.samples / elapsed,
+        Metric.STEP_TIME: w.compute_s / max(w.steps, 1),
+        Metric.DATA_TIME: w.data_s / max(w.steps, 1),
+        Metric.LR: float(opt.param_groups[0]["lr"]),
     }
     if tokens_per_sample:
-        values["tokens_per_s"] = values["samples_per_s"] * tokens_per_sample
+        values[Metric.TOKENS_PER_S] = values[Metric.SAMPLES_PER_S] * tokens_per_sample
     if env.device.type == "cuda":
-        values["gpu_mem_mb"] = torch.cuda.max_memory_allocated(env.device) / 2**20
+        values[Metric.GPU_MEM_MB] = torch.cuda.max_memory_allocated(env.device) / 2**20
     return values
 
 
@@ -358,55 +386,51 @@ def _sample_log(env: DistEnv) -> Any:
 
 # ---- entry -----------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="One rank of a ddpdash DDP run.")
+    p = argparse.ArgumentParser(prog="python -m ddpdash.trainer", description="One rank of a ddpdash DDP run.")
     p.add_argument("--config", required=True, type=Path, help="RUN_DIR/config.json written by ddpdash")
     p.add_argument("--run-id", type=int, help="the run's id in the database (omit to register a new run)")
     p.add_argument("--db-url", help="SQLAlchemy URL (default: DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db)")
     return p.parse_args(argv)
 
 
-def open_writer(args: argparse.Namespace, cfg: RunConfig, env: DistEnv, run_dir: Path,
-                resume_after_step: int | None) -> tuple[Writer, int, Any]:
-    """The rank's writer, its run id, and the engine when the rank writes the database itself.
+def open_logger(run_id: int | None, db_url: str | None, cfg: RunConfig, env: DistEnv, run_dir: RunDir,
+                resume_after_step: int | None) -> tuple[RankLogger, int, Any]:
+    """The rank's metrics logger, its run id, and the engine when the rank writes the store itself.
 
-    Ranks the supervisor launched relay their metrics to it and never import SQLAlchemy; ranks
-    started by hand (or whose supervisor cannot be reached) write straight to the database."""
+    Ranks the supervisor launched (`run_id` given, the relay in the environment) relay their metrics
+    to it and never import SQLAlchemy; ranks started by hand, or whose supervisor cannot be reached,
+    write the store directly (registering the run when `run_id` is None)."""
+    hello = Hello(env.rank, str(env.device), env.attempt, resume_after_step, os.getpid(), socket.gethostname())
     relay = relay_from_env()
-    if relay is not None and args.run_id is not None:
+    if relay is not None and run_id is not None:
         try:
-            client = RelayClient(*relay, env.rank, device=str(env.device), attempt=env.attempt,
-                                 resume_after_step=resume_after_step)
-            return client, int(args.run_id), None
+            return RankLogger(RelaySender(*relay, hello), env.rank), run_id, None
         except OSError as exc:
             log.warning("metrics relay at %s unreachable (%s): writing to the database directly", relay[0], exc)
-    from db.writer import MetricWriter
+    if run_id is not None:
+        from ddpdash.db.engine import make_engine  # the launcher migrated the database already
 
-    if args.run_id is not None:
-        from db.engine import make_engine  # the launcher migrated the database already
-
-        engine = make_engine(args.db_url)
+        engine = make_engine(db_url)
     else:
-        from db.migrate import open_store  # Alembic: only a hand-started run may have to create the schema
+        from ddpdash.db.migrate import open_store  # Alembic: only a hand-started run may have to create the schema
 
-        engine = open_store(args.db_url)
-    run_id = resolve_run(engine, args, cfg, run_dir, env.world_size)
-    writer = MetricWriter(engine, run_id, env.rank, device=str(env.device), attempt=env.attempt,
-                          resume_after_step=resume_after_step)
-    return writer, run_id, engine
+        engine = open_store(db_url)
+        run_id = register_run(engine, cfg, run_dir, env.world_size)
+    logger = direct_logger(engine, run_id, env.rank, device=hello.device, attempt=env.attempt,
+                           resume_after_step=resume_after_step)
+    return logger, run_id, engine
 
 
-def resolve_run(engine: Any, args: argparse.Namespace, cfg: RunConfig, run_dir: Path, world_size: int) -> int:
-    """The launcher passes --run-id; a hand-started torchrun registers one run per rendezvous."""
+def register_run(engine: Any, cfg: RunConfig, run_dir: RunDir, world_size: int) -> int:
+    """A hand-started torchrun registers one run per rendezvous: every rank finds or creates the same row."""
     from sqlalchemy.exc import IntegrityError
     from sqlalchemy.orm import Session
 
-    from db.runs import create_run, find_run_by_key, update_run
+    from ddpdash.db.runs import create_run, find_run_by_key, update_run
 
-    if args.run_id is not None:
-        return int(args.run_id)
     # Every node of a job shares the rendezvous id and (README) the config path: one run for all ranks.
     rendezvous = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4()}"
-    folder = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    folder = hashlib.sha1(str(run_dir.path.resolve()).encode()).hexdigest()[:16]
     key = f"{rendezvous[:47]}:{folder}"
     for _ in range(50):
         with Session(engine) as s, s.begin():
@@ -416,7 +440,7 @@ def resolve_run(engine: Any, args: argparse.Namespace, cfg: RunConfig, run_dir: 
         try:
             with Session(engine) as s, s.begin():
                 run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=world_size,
-                                    run_dir=str(run_dir), host=socket.gethostname(), status="running")
+                                    run_dir=str(run_dir.path), host=socket.gethostname(), status=RunStatus.RUNNING)
                 update_run(s, run_id, started_at=time.time())
                 return run_id
         except IntegrityError:
@@ -430,35 +454,37 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_label} %(levelname)s %(message)s")
     args = parse_args(argv)
     cfg = RunConfig.from_json(args.config.read_text())
-    run_dir = args.config.resolve().parent
+    run_dir = RunDir.of_config(args.config)
     stop = StopFlag()
     faults = parse_faults()
     env = init_distributed(cfg)
     supervised = args.run_id is not None
-    checkpoint = read_checkpoint(run_dir / CHECKPOINT_NAME)
+    checkpoint = read_checkpoint(run_dir.checkpoint)
     resume_step = int(checkpoint["step"]) if checkpoint else 0
     resuming = env.attempt > 0 or resume_step > 0
-    writer, run_id, engine = open_writer(args, cfg, env, run_dir, resume_step if resuming else None)
+    logger, run_id, engine = open_logger(args.run_id, args.db_url, cfg, env, run_dir,
+                                         resume_step if resuming else None)
     if env.rank == 0:
         if resuming:
-            writer.event("restart", f"attempt {env.attempt}: resuming from the checkpoint at step {resume_step}")
+            logger.event(EventKind.RESTART,
+                         f"attempt {env.attempt}: resuming from the checkpoint at step {resume_step}")
         else:
             backend = cfg.resolved_backend if env.distributed else "none"
-            writer.event("started", f"{env.world_size} rank(s), backend {backend}")
+            logger.event(EventKind.STARTED, f"{env.world_size} rank(s), backend {backend}")
     log.info("run %s: %d rank(s) on %s, attempt %d, metrics %s", run_id, env.world_size, env.device, env.attempt,
              "via the supervisor's relay" if engine is None else "written to the database directly")
-    status = "failed"
+    status = RankStatus.FAILED
     try:
-        status = train(cfg, env, writer, run_dir, stop, faults, checkpoint)
+        status = train(cfg, env, logger, run_dir, stop, faults, checkpoint)
         del checkpoint
     except Exception as exc:
         if stop.requested:
-            status = "stopped"  # a peer left first during the shutdown; that is the stop, not a failure
+            status = RankStatus.STOPPED  # a peer left first during the shutdown; that is the stop, not a failure
         else:
-            writer.event("rank_failed", f"rank {env.rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
+            logger.event(EventKind.RANK_FAILED, f"rank {env.rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
             raise
     finally:
-        writer.close(status=status)
+        logger.close(status=status)
         if env.rank == 0 and not supervised:
             _finish_unsupervised(engine, run_id, status)
         gc.collect()  # release DDP's buffers before tearing the group down: avoids SIGABRT at exit (NOTES)
@@ -470,11 +496,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# A rank's final status, as the run's: how rank 0 of a run without a supervisor records the outcome.
+RUN_STATUS_OF_RANK = {RankStatus.DONE: RunStatus.SUCCEEDED, RankStatus.STOPPED: RunStatus.STOPPED}
+
+
 def _finish_unsupervised(engine: Any, run_id: int, status: str) -> None:
     from sqlalchemy.orm import Session
 
-    from db.runs import finish_run
+    from ddpdash.db.runs import finish_run
 
-    final = {"done": "succeeded", "stopped": "stopped"}.get(status, "failed")
     with Session(engine) as s, s.begin():
-        finish_run(s, run_id, final)
+        finish_run(s, run_id, RUN_STATUS_OF_RANK.get(status, RunStatus.FAILED))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import streamlit as st
 from sqlalchemy.orm import Session
 
-from dashboard import charts, history, state
-from db.runs import list_runs
+from ddpdash.dashboard import charts, history, state
+from ddpdash.db.runs import list_runs
 
 
 def render() -> None:

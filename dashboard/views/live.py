@@ -8,11 +8,12 @@ from pathlib import Path
 import streamlit as st
 from sqlalchemy.orm import Session
 
-from dashboard import charts, livedata, nav, state
-from dashboard.text import md_escape
-from db.queries import events, rank_states
-from db.runs import RunInfo, RunNotFound, get_run, list_runs
-from trainer.launcher import StopError, rank_log_path, stop, tail
+from ddpdash.dashboard import charts, livedata, nav, state
+from ddpdash.dashboard.text import md_escape
+from ddpdash.db.queries import events, rank_states
+from ddpdash.db.runs import RunInfo, RunNotFound, get_run, list_runs
+from ddpdash.trainer.control import StopError, stop
+from ddpdash.trainer.rundir import RunDir, tail
 
 REFRESH_S = 1.5
 STATUS_COLORS = {"queued": "gray", "running": "blue", "stopping": "orange", "succeeded": "green",
@@ -138,7 +139,7 @@ def _logs(run: RunInfo) -> None:
     c1, c2 = st.columns([1, 1])
     rank = c1.selectbox("Rank", list(range(run.world_size)), key="log_rank")
     stream = c2.radio("Stream", ["stderr", "stdout"], horizontal=True, key="log_stream")
-    path = rank_log_path(Path(run.run_dir), int(rank), stream) if run.run_dir else None
+    path = RunDir(Path(run.run_dir)).rank_log(int(rank), stream) if run.run_dir else None
     if path is None:
         st.caption("No log yet for this rank.")
     else:

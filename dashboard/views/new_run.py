@@ -7,11 +7,11 @@ from typing import Any
 import streamlit as st
 from sqlalchemy.orm import Session
 
-from dashboard import forms, nav, state
-from dashboard.text import md_escape
-from db.runs import RunNotFound, get_run
-from trainer.config import ConfigInvalid, Machine, RunConfig
-from trainer.launcher import LaunchError, launch
+from ddpdash.dashboard import forms, nav, state
+from ddpdash.dashboard.text import md_escape
+from ddpdash.db.runs import RunNotFound, get_run
+from ddpdash.trainer.config import ConfigInvalid, Machine, RunConfig
+from ddpdash.trainer.control import LaunchError, launch
 
 
 def _prefill() -> None:

@@ -5,20 +5,27 @@ from __future__ import annotations
 import streamlit as st
 from sqlalchemy.orm import Session
 
-from dashboard import history, nav, state
-from dashboard.text import md_escape
-from db.queries import all_points
-from db.runs import clean_tags, get_run, update_run
-from trainer.launcher import DeleteError, delete_run
+from ddpdash.dashboard import history, nav, state
+from ddpdash.dashboard.text import md_escape
+from ddpdash.db.queries import export_points
+from ddpdash.db.runs import RunNotFound, clean_tags, get_run, update_run
+from ddpdash.db.vocab import RunStatus
+from ddpdash.trainer.control import DeleteError, delete_run
 
 PAGE_SIZE = 50
-STATUSES = ["queued", "running", "stopping", "succeeded", "failed", "stopped", "lost"]
 
 
 @st.cache_data(ttl=2, show_spinner=False)
-def _runs_frame(_url: str, _version: int):  # type: ignore[no-untyped-def]
+def _runs_frame(url: str, version: int):  # type: ignore[no-untyped-def]
+    """Both arguments are part of the cache key: an edit bumps `version`, and the table is read again."""
     with Session(state.engine()) as s:
         return history.runs_frame(s)
+
+
+def _export(run_id: int, fmt: str) -> str:
+    """Built when the user presses the button (Streamlit calls it then), not on every rerun."""
+    with Session(state.engine()) as s:
+        return export_points(s, run_id, fmt)
 
 
 def _bump() -> None:
@@ -70,7 +77,7 @@ def render() -> None:
 
 def _filters(df) -> history.RunFilter:  # type: ignore[no-untyped-def]
     c1, c2, c3, c4, c5 = st.columns([2, 2, 2, 1, 2])
-    statuses = c1.multiselect("Status", STATUSES)
+    statuses = c1.multiselect("Status", RunStatus.ALL)
     models = c2.multiselect("Model", sorted(df["model"].dropna().unique()))
     backends = c3.multiselect("Backend", sorted(df["backend"].dropna().unique()))
     tags = sorted({t.strip() for cell in df["tags"] for t in cell.split(",") if t.strip()})
@@ -81,8 +88,12 @@ def _filters(df) -> history.RunFilter:  # type: ignore[no-untyped-def]
 
 def _one_run(run_id: int) -> None:
     engine = state.engine()
-    with Session(engine) as s:
-        run = get_run(s, run_id)
+    try:
+        with Session(engine) as s:
+            run = get_run(s, run_id)
+    except RunNotFound:
+        st.info(f"Run {run_id} was deleted meanwhile.")
+        return
     st.subheader(f"#{run.id} {md_escape(run.name)}")
     with st.form(f"edit_{run.id}"):
         name = st.text_input("Name", value=run.name, max_chars=200)
@@ -101,10 +112,9 @@ def _one_run(run_id: int) -> None:
         nav.go("live", run=str(run.id))
     if c2.button("Clone into New run", icon=":material/content_copy:"):
         nav.go("new", clone=str(run.id))
-    with Session(engine) as s:
-        points = all_points(s, run.id)
-    c3.download_button("Export CSV", points.to_csv(index=False), file_name=f"run-{run.id}.csv", mime="text/csv")
-    c4.download_button("Export JSON", points.to_json(orient="records"), file_name=f"run-{run.id}.json",
+    c3.download_button("Export CSV", lambda: _export(run.id, "csv"), file_name=f"run-{run.id}.csv",
+                       mime="text/csv")
+    c4.download_button("Export JSON", lambda: _export(run.id, "json"), file_name=f"run-{run.id}.json",
                        mime="application/json")
     with c5.popover("Delete", icon=":material/delete:", disabled=run.is_active,
                     help="Stop the run first" if run.is_active else None):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from alembic import context
 
-from db.models import Base
+from ddpdash.db.models import Base
 
 config = context.config
 connection = config.attributes.get("connection")
 if connection is None:  # pragma: no cover - only when someone runs the alembic CLI by hand
-    from db.engine import make_engine
+    from ddpdash.db.engine import make_engine
 
     with make_engine(config.get_main_option("sqlalchemy.url") or None).connect() as conn:
         context.configure(connection=conn, target_metadata=Base.metadata, render_as_batch=True)

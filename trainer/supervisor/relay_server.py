@@ -1,27 +1,23 @@
-"""The supervisor's end of the metrics relay (trainer/relay.py): one connection per rank (per
-attempt), each feeding a MetricWriter that writes for that rank from the supervisor's process."""
+"""The supervisor's end of the metrics relay (trainer/relay.py): one connection per rank (per attempt),
+each written through its own db.store.RankWriter as its frames arrive. Runs in the supervisor."""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
 import time
-from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
-from db.columns import unpack
-from db.writer import MetricWriter
-from trainer.relay import Listener, recv_frame, send_frame
+from ddpdash.db.columns import Batch
+from ddpdash.db.store import RankWriter
 
-log = logging.getLogger("trainer.supervisor")
+from ..relay import Hello, Listener, read_batch, read_hello, recv_frame, send_frame
+
+log = logging.getLogger(__name__)
 REGISTER_DEADLINE_S = 60.0
-# Each batch is written as it arrives (_write_now); the writer's own timer only retries a batch the
-# database refused (when no further batch comes to carry it), so it can be slow.
-WRITER_RETRY_INTERVAL_S = 5.0
 
 
 class RelayServer:
@@ -64,37 +60,31 @@ class RelayServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                hello = recv_frame(conn)
-                if not _valid_hello(hello, self.listener.token):
+                hello = read_hello(recv_frame(conn), self.listener.token)
+                if hello is None:
                     log.warning("metrics relay: refused a connection without the run's token")
                     return
-                assert hello is not None
-                _, _, rank, device, attempt, resume_after_step, pid, host = hello
-                self._after_previous_attempt(int(rank))
-                heard = _LastHeard()
-                writer = self._writer_for(int(rank), str(device), int(attempt), resume_after_step, heard,
-                                          (str(host), int(pid)))
+                self._after_previous_attempt(hello.rank)
+                writer = self._writer_for(hello)
                 try:
-                    _feed(conn, writer, heard)
+                    _feed(conn, writer)
                 finally:
-                    writer.close()  # however the connection ended, what came is written (once)
+                    writer.close(Batch([], []))  # however the connection ended, what came is written (once)
             except Exception:
                 log.exception("metrics relay: a rank's connection failed")
 
-    def _writer_for(self, rank: int, device: str, attempt: int, resume_after_step: int | None, heard: _LastHeard,
-                    process: tuple[str, int]) -> MetricWriter:
+    def _writer_for(self, hello: Hello) -> RankWriter:
         """The rank's writer; registering it retries a busy database for a while rather than lose the
         rank's metrics for the whole run (its frames wait in the socket meanwhile)."""
         deadline = time.monotonic() + REGISTER_DEADLINE_S
         while True:
             try:
-                return MetricWriter(self.engine, self.run_id, rank, device=device, attempt=attempt,
-                                    resume_after_step=resume_after_step, alive_at=heard.at, process=process,
-                                    flush_interval_s=WRITER_RETRY_INTERVAL_S)
+                return RankWriter(self.engine, self.run_id, hello.rank, device=hello.device, attempt=hello.attempt,
+                                  resume_after_step=hello.resume_after_step, host=hello.host, pid=hello.pid)
             except DBAPIError as exc:
                 if time.monotonic() > deadline:
                     raise
-                log.warning("metrics relay: registering rank %d failed (%s); retrying", rank, exc)
+                log.warning("metrics relay: registering rank %d failed (%s); retrying", hello.rank, exc)
                 time.sleep(0.5)
 
     def _after_previous_attempt(self, rank: int) -> None:
@@ -107,57 +97,24 @@ class RelayServer:
             previous.join(60.0)
 
 
-class _LastHeard:
-    """When the rank last sent a frame: its heartbeat (it sends at least every SEND_INTERVAL_S)."""
-
-    def __init__(self) -> None:
-        self.time = time.time()
-
-    def at(self) -> float:
-        return self.time
-
-
-def _valid_hello(hello: tuple[Any, ...] | None, token: str) -> bool:
-    return (hello is not None and len(hello) == 8 and hello[0] == "hello" and isinstance(hello[1], str)
-            and hmac.compare_digest(hello[1], token))
-
-
-def _write_now(writer: MetricWriter) -> None:
-    """Write a batch as soon as it arrives: the live view is then at most a send interval behind the
-    rank, not up to the writer's interval more, and the supervisor's work follows the rank's send. A busy
-    database keeps the batch buffered; the next batch, the writer's retry timer or close() writes it."""
-    try:
-        writer.flush()
-    except Exception as exc:
-        log.warning("metrics relay: writing rank %d's batch failed (%s); it stays buffered", writer.rank, exc)
-
-
-def _feed(conn: socket.socket, writer: MetricWriter, heard: _LastHeard) -> None:
+def _feed(conn: socket.socket, writer: RankWriter) -> None:
+    """Write each batch as it arrives: the live view is then at most a send interval behind the rank,
+    and the supervisor's work follows the rank's send. A busy database holds the batch; the next one
+    (a rank sends at least once per interval) or the close writes it."""
     while True:
         message = recv_frame(conn)
         if message is None:  # the rank exited or died without saying goodbye: the caller writes what came
             return
-        heard.time = time.time()
         kind = message[0]
         if kind == "batch":
-            _, groups, events, status, total = message
-            writer.log_groups(unpack(groups))
-            for event_kind, text, detail, at in events:
-                writer.event(event_kind, text, detail, at=at)
-            if status:
-                writer.set_status(status)
-            if total is not None:
-                writer.set_total_steps(total)
-            _write_now(writer)
-        elif kind == "flush":
+            writer.send(read_batch(message))
+        elif kind in ("flush", "close"):
             try:
                 writer.flush()
                 send_frame(conn, ("ok",))
-            except Exception as exc:  # the database is busy or gone: say so, the rank carries on
+            except DBAPIError as exc:  # the database is busy or gone: say so, the rank carries on
                 send_frame(conn, ("failed", str(exc)))
-        elif kind == "close":
-            writer.close(status=message[1])
-            send_frame(conn, ("ok",))
-            return
+            if kind == "close":
+                return
         else:
             log.warning("metrics relay: ignoring a %r frame", kind)

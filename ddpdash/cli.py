@@ -1,4 +1,4 @@
-"""The `ddpdash` command line: thin over the launcher and the queries.
+"""The `ddpdash` command line (the `ddpdash` console script): thin over process control and the queries.
 
     ddpdash launch --num-procs 2 --model mlp --max-steps 200 --wait
     ddpdash runs | show RUN | stop RUN | logs RUN [--rank N] [--follow] | export RUN --format csv|json
@@ -20,11 +20,12 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from db.migrate import SchemaError, open_store
-from db.queries import all_points, events, rank_states
-from db.runs import FINAL_STATUSES, RunNotFound, get_run, list_runs
-from trainer.config import ConfigInvalid, RunConfig, config_fields, detect_machine, field_choices, field_kind
-from trainer.launcher import LaunchError
+from ddpdash.db.migrate import SchemaError, open_store
+from ddpdash.db.queries import EXPORT_FORMATS, events, export_points, rank_states
+from ddpdash.db.runs import RunNotFound, get_run, list_runs
+from ddpdash.db.vocab import RunStatus
+from ddpdash.trainer.config import ConfigInvalid, RunConfig, config_fields, detect_machine, field_choices, field_kind
+from ddpdash.trainer.control import LaunchError, StopError
 
 EXIT_BAD_INPUT = 2
 
@@ -76,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 # ---- commands -------------------------------------------------------------------------------------
 def cmd_launch(engine: Engine, args: argparse.Namespace) -> int:
-    from trainer.launcher import launch
+    from ddpdash.trainer.control import launch
 
     cfg = config_from_args(args)
     run_id = launch(engine, cfg, detect_machine())
@@ -105,17 +106,17 @@ def wait_with_progress(engine: Engine, run_id: int, out: Any = None) -> int:
             line += f"  {speed:,.0f} samples/s"
         out.write(line.ljust(100))
         out.flush()
-        if run.status in FINAL_STATUSES:
+        if run.status in RunStatus.FINAL:
             out.write("\n")
-            if run.status != "succeeded":
+            if run.status != RunStatus.SUCCEEDED:
                 first_line = run.error.strip().splitlines()[0] if run.error.strip() else ""
                 out.write(f"run {run_id} {run.status}" + (f": {first_line}" if first_line else "") + "\n")
-            return 0 if run.status == "succeeded" else 1
+            return 0 if run.status == RunStatus.SUCCEEDED else 1
         time.sleep(0.5)
 
 
 def _last_value(s: Session, run_id: int, name: str, reduce: str = "mean") -> float | None:
-    from db.queries import metric_series
+    from ddpdash.db.queries import metric_series
 
     df = metric_series(s, run_id, name, max_points=50)
     if df.empty:
@@ -160,7 +161,7 @@ def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:
-    from trainer.launcher import stop
+    from ddpdash.trainer.control import stop
 
     status = stop(engine, args.run)
     print(f"run {args.run} {status}")
@@ -168,13 +169,13 @@ def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
-    from trainer.launcher import rank_log_path
+    from ddpdash.trainer.rundir import RunDir
 
     with Session(engine) as s:
         run = get_run(s, args.run)
     if not 0 <= args.rank < run.world_size:
         raise CliError(f"--rank must be between 0 and {run.world_size - 1} for run {run.id}")
-    path = rank_log_path(Path(run.run_dir), args.rank, args.stream)
+    path = RunDir(Path(run.run_dir)).rank_log(args.rank, args.stream)
     if path is None:
         raise CliError(f"run {run.id} has no {args.stream} log for rank {args.rank} yet")
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -186,7 +187,7 @@ def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 continue
             with Session(engine) as s:
-                if get_run(s, run.id).status in FINAL_STATUSES:
+                if get_run(s, run.id).status in RunStatus.FINAL:
                     break
             time.sleep(0.5)
     return 0
@@ -195,17 +196,16 @@ def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
 def cmd_export(engine: Engine, args: argparse.Namespace) -> int:
     with Session(engine) as s:
         get_run(s, args.run)
-        df = all_points(s, args.run)
-    text = df.to_csv(index=False) if args.format == "csv" else df.to_json(orient="records", indent=None)
+        text = export_points(s, args.run, args.format)
     if args.output:
         Path(args.output).write_text(text)
     else:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.write(text)
     return 0
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    from dashboard.serve import serve
+    from ddpdash.dashboard.serve import serve
 
     return serve(port=args.port, address=args.address)
 
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
     export = sub.add_parser("export", help="a run's metric points as CSV or JSON (rank, step, metric, value, time)")
     export.add_argument("run", type=int, metavar="RUN")
-    export.add_argument("--format", choices=("csv", "json"), default="csv")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default="csv")
     export.add_argument("--output", "-o", help="write to this file instead of standard output")
     ui = sub.add_parser("ui", help="start the dashboard")
     ui.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8501)))
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ui":
             return cmd_ui(args)
         engine = open_store(args.db_url)
-        from trainer.launcher import reconcile
+        from ddpdash.trainer.control import reconcile
 
         reconcile(engine)
         return COMMANDS[args.command](engine, args)
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, RunNotFound, SchemaError) as exc:
         print(f"ddpdash: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except LaunchError as exc:
+    except (LaunchError, StopError) as exc:
         print(f"ddpdash: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,0 +1,73 @@
+"""The words the store holds, defined once: run statuses, rank statuses, event kinds and metric names.
+
+The trainer, the supervisor, the store, the CLI and every page use these names; grep finds one
+definition of each. Plain strings (not Enum members): they travel through `marshal` in the relay
+and into every database driver unchanged. Standard library only: every rank imports this.
+"""
+
+from __future__ import annotations
+
+
+class RunStatus:
+    """A run's status. Written in few places (docs/architecture.md lists them): the launcher (queued),
+    the supervisor (running, and the outcome), stop (stopping, stopped), reconciliation (lost), and rank 0
+    of a run without a supervisor."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+    ACTIVE = (QUEUED, RUNNING, STOPPING)
+    FINAL = (SUCCEEDED, FAILED, STOPPED, LOST)
+    ALL = (*ACTIVE, *FINAL)
+
+
+class RankStatus:
+    """One rank's status, written by the rank's own metric stream (and closed by the supervisor)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    DONE = "done"  # trained every step
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+    ACTIVE = (STARTING, RUNNING)
+
+
+class EventKind:
+    """What a run's event says happened."""
+
+    LAUNCHED = "launched"  # the supervisor started torchrun
+    STARTED = "started"  # rank 0 is training
+    RESTART = "restart"  # a restarted attempt resumes from the checkpoint
+    DESYNC = "desync"  # replicas' parameters differ
+    RANK_FAILED = "rank_failed"  # a rank raised (its traceback in the detail)
+    FAILED = "failed"  # the run failed (the root cause in the detail)
+    FINISHED = "finished"
+    EXIT_WARNING = "exit_warning"  # torchrun exited non-zero after every rank had finished
+    STOP = "stop"  # a stop was requested
+    STOPPED = "stopped"
+    LOST = "lost"
+
+    PROBLEMS = (RANK_FAILED, FAILED, DESYNC, LOST)
+
+
+class Metric:
+    """Names of the metrics the trainer logs per rank (a user's script may log any others)."""
+
+    LOSS = "loss"
+    SAMPLES_PER_S = "samples_per_s"
+    TOKENS_PER_S = "tokens_per_s"
+    STEP_TIME = "step_time"
+    DATA_TIME = "data_time"
+    LR = "lr"
+    GPU_MEM_MB = "gpu_mem_mb"
+    VAL_LOSS = "val_loss"
+    VAL_ACC = "val_acc"
+    EPOCH = "epoch"
+
+    LIVE = (LOSS, SAMPLES_PER_S, TOKENS_PER_S, STEP_TIME, DATA_TIME, VAL_LOSS, VAL_ACC)

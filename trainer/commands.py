@@ -1,0 +1,75 @@
+"""Building a launch, purely: from a RunConfig to the argv and environment of the processes that run
+it. Nothing here starts a process (trainer/control.py does) or touches the database.
+
+    torchrun_argv(cfg, run_dir, run_id)   the torchrun command the supervisor runs
+    supervisor_argv(run_id, run_dir)      the detached supervisor the launcher starts
+    cli_command(cfg)                      the `ddpdash launch` command for the same run
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .config import RunConfig
+from .rundir import RunDir
+
+SHUTDOWN_TIMEOUT_S = 4  # torchrun's grace for workers after SIGTERM before it SIGKILLs them
+RANK_MODULE = "ddpdash.trainer"  # what torchrun runs on every rank
+SUPERVISOR_MODULE = "ddpdash.trainer.supervisor"
+
+
+def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sys.executable) -> list[str]:
+    """The exact torchrun command for a run. The database URL travels in the environment (it may hold a
+    password, and argv is visible to every user of the machine)."""
+    return [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc-per-node", str(cfg.world_size),
+        # c10d on port 0: the OS picks a free port, so two runs at once never clash.
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "127.0.0.1:0",
+        "--rdzv-id", f"ddpdash-run-{run_id}",
+        "--max-restarts", str(cfg.max_restarts),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+        "--log-dir", str(run_dir.logs),
+        "--redirects", "3",
+        "-m", RANK_MODULE,
+        "--config", str(run_dir.config),
+        "--run-id", str(run_id),
+    ]
+
+
+def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # One thread per rank's share of the cores: more oversubscribes the CPU and slows every rank.
+    env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.world_size, 1)))
+    env["DDPDASH_DB_URL"] = db_url
+    env["PYTHONUNBUFFERED"] = "1"
+    if cfg.devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in cfg.devices)
+    return env
+
+
+def supervisor_argv(run_id: int, run_dir: RunDir, python: str = sys.executable) -> list[str]:
+    return [python, "-m", SUPERVISOR_MODULE, "--run-id", str(run_id), "--run-dir", str(run_dir.path)]
+
+
+def cli_command(cfg: RunConfig) -> list[str]:
+    """The `ddpdash launch` command that starts the same run (flags only where they differ from defaults)."""
+    default = RunConfig().to_dict()
+    argv = ["ddpdash", "launch"]
+    for name, value in cfg.to_dict().items():
+        if name == "num_procs" and cfg.devices:
+            continue
+        if value == default[name]:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv

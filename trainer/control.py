@@ -1,0 +1,276 @@
+"""Process control: every process ddpdash starts is started here, from argument lists (never a shell
+string), each in a session of its own, logging to files in the run folder; and every stop, reap and
+reconciliation happens here. Runs in the dashboard's and the CLI's processes (and the supervisor's,
+to start torchrun).
+
+    launch(engine, cfg, machine) -> run id   validates, records the run, starts a detached supervisor
+    stop(engine, run_id)                     SIGTERM through the supervisor; survivors are killed
+    reconcile(engine)                        runs whose supervisor is gone become `lost`
+    delete_run(engine, run_id)               a finished run's rows and the folder ddpdash made
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from ddpdash.db.paths import default_db_url
+from ddpdash.db.vocab import EventKind, RunStatus
+
+from .commands import SHUTDOWN_TIMEOUT_S, SUPERVISOR_MODULE, supervisor_argv, torchrun_argv, torchrun_env
+from .config import Machine, RunConfig, check
+from .rundir import RunDir, new_run_dir
+from .supervisor.priority import PriorityError, supervisor_nice
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from ddpdash.db.runs import RunInfo
+
+# The database functions below import SQLAlchemy when called, not here: the supervisor imports this
+# module to start torchrun, and every import before that is launch latency.
+
+log = logging.getLogger(__name__)
+
+STOP_MARGIN_S = 2.0
+STALE_HEARTBEAT_S = 60.0
+QUEUED_GRACE_S = 30.0
+
+
+class LaunchError(RuntimeError):
+    """The run could not be started."""
+
+
+class StopError(RuntimeError):
+    """The run could not be stopped as asked."""
+
+
+class DeleteError(RuntimeError):
+    """The run cannot be deleted now."""
+
+
+# ---- launching -------------------------------------------------------------------------------
+def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | None = None) -> int:
+    """Validate, record the run (queued), start its detached supervisor and return the run id at once."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import create_run, finish_run, update_run
+
+    check(cfg, machine)  # raises ConfigInvalid before anything is written
+    try:
+        supervisor_nice()
+    except PriorityError as exc:
+        raise LaunchError(str(exc)) from exc
+    db_url = db_url or engine.url.render_as_string(hide_password=False) or default_db_url()
+    with Session(engine) as s, s.begin():
+        run_id = create_run(s, key=f"ddpdash-{uuid.uuid4()}", name=cfg.name, config_json=cfg.to_json(),
+                            world_size=cfg.world_size, host=socket.gethostname())
+    run_dir = new_run_dir(run_id)
+    run_dir.config.write_text(cfg.to_json())
+    try:
+        proc = _spawn(supervisor_argv(run_id, run_dir), run_dir.supervisor_log, torchrun_env(cfg, db_url),
+                      cwd=run_dir.path)
+    except OSError as exc:
+        with Session(engine) as s, s.begin():
+            finish_run(s, run_id, RunStatus.FAILED, error=f"could not start the supervisor: {exc}")
+        raise LaunchError(f"could not start the supervisor: {exc}") from exc
+    with Session(engine) as s, s.begin():
+        update_run(s, run_id, run_dir=str(run_dir.path), supervisor_pid=proc.pid)
+    # Reap it when it ends so it never lingers as a zombie of a long-lived dashboard.
+    threading.Thread(target=proc.wait, daemon=True).start()
+    return run_id
+
+
+def _spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+            start_new_session=True,  # outlives the dashboard or terminal that started it
+        )
+
+
+def spawn_torchrun(cfg: RunConfig, run_dir: RunDir, run_id: int, db_url: str,
+                   relay_env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Called by the supervisor. torchrun stays in the supervisor's session; its workers get their own.
+    `relay_env` tells the ranks where the supervisor takes their metrics (trainer/relay.py)."""
+    with open(run_dir.torchrun_log, "ab") as out:
+        return subprocess.Popen(
+            torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            env={**torchrun_env(cfg, db_url), **relay_env}, cwd=run_dir.path,
+        )
+
+
+# ---- processes -------------------------------------------------------------------------------
+def alive(pid: int | None, must_contain: str | None = None) -> bool:
+    """True for a live (non-zombie) process, optionally whose command line mentions `must_contain`
+    (a guard against a recycled PID)."""
+    if not pid:
+        return False
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return must_contain is None or must_contain in " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def supervisor_alive(run: RunInfo) -> bool:
+    return alive(run.supervisor_pid, SUPERVISOR_MODULE)
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def terminate_run(torchrun_pid: int | None, worker_pids: tuple[int, ...] | list[int],
+                  wait_s: float = SHUTDOWN_TIMEOUT_S + STOP_MARGIN_S) -> list[int]:
+    """SIGTERM torchrun (it forwards to its workers), wait its shutdown timeout plus a margin, then
+    SIGKILL every recorded worker still alive: workers live in sessions of their own, so killing
+    torchrun alone would orphan them (NOTES). Returns the PIDs that had to be killed."""
+    known = set(worker_pids)
+    if torchrun_pid and alive(torchrun_pid):
+        known.update(descendants(torchrun_pid))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(torchrun_pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not alive(torchrun_pid) and not any(alive(p) for p in known):
+            return []
+        time.sleep(0.1)
+    killed = []
+    for pid in [torchrun_pid, *known]:
+        if pid and alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
+
+
+# ---- stop ------------------------------------------------------------------------------------
+def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + STOP_MARGIN_S + 2.0) -> str:
+    """Stop a run; returns its final status. Nothing of the run survives. A run hosted on another
+    machine raises StopError before anything is changed: only that machine can signal its processes."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, finish_run, get_run, update_run
+
+    with Session(engine) as s:
+        run = get_run(s, run_id)
+    if run.status in RunStatus.FINAL:
+        return run.status
+    if run.host not in ("", socket.gethostname()):
+        raise StopError(f"run {run_id} runs on host {run.host}; stop it from there (ddpdash stop {run_id})")
+    with Session(engine) as s, s.begin():
+        update_run(s, run_id, status=RunStatus.STOPPING)
+        add_event(s, run_id, EventKind.STOP, "stop requested")
+    if supervisor_alive(run):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(run.supervisor_pid, signal.SIGTERM)  # type: ignore[arg-type]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with Session(engine) as s:
+                run = get_run(s, run_id)
+            if run.status in RunStatus.FINAL:
+                return run.status
+            time.sleep(0.1)
+    # The supervisor is gone or stuck: do its job.
+    with Session(engine) as s:
+        run = get_run(s, run_id)
+    killed = terminate_run(run.torchrun_pid, run.worker_pids, wait_s=1.0)
+    if supervisor_alive(run):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(run.supervisor_pid, signal.SIGKILL)  # type: ignore[arg-type]
+    with Session(engine) as s, s.begin():
+        if finish_run(s, run_id, RunStatus.STOPPED):
+            add_event(s, run_id, EventKind.STOPPED, f"stopped without the supervisor; killed {len(killed)} process(es)")
+        return get_run(s, run_id).status
+
+
+# ---- reconciliation --------------------------------------------------------------------------
+def reconcile(engine: Engine, now: float | None = None) -> list[int]:
+    """Mark runs `lost` whose supervisor is gone (killing what is left of them) or, on another host,
+    whose heartbeats went stale. Any process that reads runs calls this. Returns the ids marked lost."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, finish_run, list_runs
+
+    now = now or time.time()
+    host = socket.gethostname()
+    lost = []
+    with Session(engine) as s:
+        active = list_runs(s, statuses=RunStatus.ACTIVE)
+    for run in active:
+        reason = _why_lost(engine, run, host, now)
+        if reason is None:
+            continue
+        killed = terminate_run(run.torchrun_pid, run.worker_pids, wait_s=1.0) if run.host == host else []
+        if killed:
+            reason += f"; killed {len(killed)} leftover process(es) {killed}"
+        with Session(engine) as s, s.begin():
+            if finish_run(s, run.id, RunStatus.LOST, error=reason):
+                add_event(s, run.id, EventKind.LOST, reason)
+                lost.append(run.id)
+    return lost
+
+
+def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None:
+    beat = _last_heartbeat(engine, run)
+    if run.host == host:
+        if supervisor_alive(run):
+            return None
+        if run.status == RunStatus.QUEUED and now - run.created_at < QUEUED_GRACE_S and run.supervisor_pid is None:
+            return None  # launch() has not recorded the supervisor yet
+        return f"the supervisor (pid {run.supervisor_pid}) is gone while the run was {run.status}"
+    if beat is not None and now - beat > STALE_HEARTBEAT_S:
+        return f"no heartbeat from host {run.host} for {now - beat:.0f} s"
+    return None
+
+
+def _last_heartbeat(engine: Engine, run: RunInfo) -> float | None:
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import rank_rows
+
+    with Session(engine) as s:
+        states = rank_rows(s, run.id)
+    beats = [b for b in [run.heartbeat_at, *(r.heartbeat_at for r in states)] if b]
+    return max(beats) if beats else None
+
+
+# ---- deletion --------------------------------------------------------------------------------
+def delete_run(engine: Engine, run_id: int) -> None:
+    """Remove a finished run: its rows, and its folder (logs, checkpoints) when ddpdash made it.
+    A hand-started run's folder belongs to the user: only its checkpoint goes."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import delete_run_rows, get_run
+
+    with Session(engine) as s:
+        run = get_run(s, run_id)
+    if run.is_active:
+        raise DeleteError(f"run {run_id} is {run.status}: stop it before deleting it")
+    with Session(engine) as s, s.begin():
+        delete_run_rows(s, run_id)
+    if not run.run_dir:
+        return
+    folder = RunDir(Path(run.run_dir))
+    if folder.made_by_ddpdash:
+        shutil.rmtree(folder.path, ignore_errors=True)
+    else:
+        folder.checkpoint.unlink(missing_ok=True)

@@ -1,0 +1,131 @@
+"""A rank's metrics, on the training step's side: `log()` is an append that returns at once; a background
+thread hands what piled up to a sender once per interval. Runs in the ranks.
+
+The sender is where the batches go:
+- trainer.relay.RelaySender: to the supervisor that launched the run (a frame over a loopback socket;
+  the rank never imports SQLAlchemy);
+- ddpdash.db.store.RankWriter: straight into the store, for ranks started by hand (`direct_logger`).
+
+Standard library only at import: a rank that relays never loads the database layer.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from ddpdash.db.columns import MAX_BUFFERED_LOGS, Batch, Event, LogRow, group_logs
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+# Once a second: each batch costs the supervisor a write whatever its size (a commit, the rollup buckets
+# still filling rewritten), and with no idle core that CPU is taken from a rank; the Live page refreshes
+# every 1.5 s anyway (bench/README.md has the measurements). Each batch is also the rank's heartbeat.
+SEND_INTERVAL_S = 1.0
+
+
+class Sender(Protocol):
+    """Takes a rank's batches, in order, from the logger's thread. Never raises into the logger."""
+
+    dropped: int  # steps it could not deliver
+
+    def send(self, batch: Batch) -> None: ...
+    def flush(self) -> None: ...  # returns once everything sent is written
+    def close(self, batch: Batch) -> None: ...  # the last batch; returns once it is written (or given up)
+
+
+class RankLogger:
+    """One rank's metrics and events. Never raises into, or blocks, the training step."""
+
+    def __init__(self, sender: Sender, rank: int, *, send_interval_s: float = SEND_INTERVAL_S) -> None:
+        self.sender = sender
+        self.rank = rank
+        self.send_interval_s = send_interval_s
+        self._dropped = 0
+        self._logs: collections.deque[LogRow] = collections.deque(maxlen=MAX_BUFFERED_LOGS)
+        self._events: collections.deque[Event] = collections.deque()
+        self._status: str | None = None
+        self._total: int | None = None
+        self._quiet = True  # nothing logged yet: the first point goes at once, so the run shows up live sooner
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._send_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"ddpdash-metrics-r{rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped + self.sender.dropped
+
+    def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
+        """Queue one step's values (plain floats), stamped now or `at`. On the training step's path: an
+        append and little else."""
+        logs = self._logs
+        if len(logs) == MAX_BUFFERED_LOGS:
+            self._dropped += 1
+        logs.append((step, time.time() if at is None else at, values))
+        if self._quiet:
+            self._quiet = False
+            self._wake.set()
+
+    def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
+        self._events.append(Event(kind, message, detail, time.time() if at is None else at))
+        self._wake.set()  # rare, and worth seeing at once (a failure, a restart)
+
+    def set_status(self, status: str) -> None:
+        self._status = status
+
+    def set_total_steps(self, total: int) -> None:
+        """Rank 0 tells the run how many steps it will take (for progress and ETA)."""
+        self._total = total
+
+    def flush(self) -> None:
+        """Hand on what is buffered now and wait until it is written."""
+        with self._send_lock:
+            self.sender.send(self._take())
+            self.sender.flush()
+
+    def close(self, status: str | None = None) -> None:
+        """Stop the thread and hand on everything left with the final status; closing twice sends once."""
+        if status:
+            self._status = status
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        with self._send_lock:
+            self.sender.close(self._take())
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.send_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return  # close() sends what is left
+            with self._send_lock:
+                self.sender.send(self._take())
+
+    def _take(self) -> Batch:
+        logs, events = _drain(self._logs), _drain(self._events)
+        return Batch(group_logs(logs), events, self._status, self._total)
+
+
+def _drain(queue: collections.deque) -> list:  # type: ignore[type-arg]
+    """What is in `queue` now, oldest first, taken out one by one: safe while another thread appends
+    (what it appends meanwhile stays for the next time)."""
+    popleft = queue.popleft
+    return [popleft() for _ in range(len(queue))]
+
+
+def direct_logger(engine: Engine, run_id: int, rank: int, *, device: str = "cpu", attempt: int = 0,
+                  resume_after_step: int | None = None, send_interval_s: float = SEND_INTERVAL_S) -> RankLogger:
+    """A logger that writes the store itself (ranks started by hand; tests and benchmarks)."""
+    from ddpdash.db.store import RankWriter
+
+    writer = RankWriter(engine, run_id, rank, device=device, attempt=attempt, resume_after_step=resume_after_step)
+    return RankLogger(writer, rank, send_interval_s=send_interval_s)

@@ -1,0 +1,88 @@
+"""The run folder's layout, in one place: every path inside a run's folder is named here.
+
+    $DDPDASH_HOME/runs/run-NNNNN/
+        config.json          the RunConfig, written once by the launcher (or by a user for a hand-started run)
+        checkpoint.pt        the newest checkpoint (rank 0 writes it; a restarted attempt resumes from it)
+        supervisor.log       the supervisor's own log
+        torchrun.log         torchrun's output
+        logs/<rdzv>_<rand>/attempt_<n>/<local_rank>/{stdout,stderr}.log, error.json   (torchrun's layout)
+
+Standard library only: the ranks, the supervisor and the dashboard all read it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddpdash.db.paths import runs_root
+
+FOLDER_PREFIX = "run-"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The folder of one run and the names of what it holds."""
+
+    path: Path
+
+    @classmethod
+    def of_config(cls, config_path: Path) -> RunDir:
+        """The folder a config file sits in (a hand-started run's folder is wherever its config is)."""
+        return cls(config_path.resolve().parent)
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / "checkpoint.pt"
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.path / "supervisor.log"
+
+    @property
+    def torchrun_log(self) -> Path:
+        return self.path / "torchrun.log"
+
+    @property
+    def logs(self) -> Path:
+        """torchrun's --log-dir."""
+        return self.path / "logs"
+
+    def attempts(self) -> list[Path]:
+        """torchrun's attempt folders, oldest first."""
+        return sorted(self.logs.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+
+    def rank_log(self, rank: int, stream: str = "stderr") -> Path | None:
+        """The newest attempt's log of a (local) rank, stdout or stderr."""
+        found = sorted(self.logs.glob(f"*/attempt_*/{rank}/{stream}.log"),
+                       key=lambda p: (p.stat().st_mtime, p.parent.parent.name))
+        return found[-1] if found else None
+
+    @property
+    def made_by_ddpdash(self) -> bool:
+        """A folder the launcher made (deleting the run removes it); a hand-started run's folder is the user's."""
+        return self.path.resolve().parent == runs_root().resolve() and self.path.name.startswith(FOLDER_PREFIX)
+
+
+def new_run_dir(run_id: int, root: Path | None = None) -> RunDir:
+    path = (root or runs_root()) / f"{FOLDER_PREFIX}{run_id:05d}"
+    path.mkdir(parents=True, exist_ok=True)
+    return RunDir(path)
+
+
+def tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:
+    """The last `lines` lines of a text file (read from its end: logs can be large); "" if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
