@@ -13,8 +13,9 @@ from sqlalchemy.orm import Session
 
 from ddpdash.db.queries import DEFAULT_POINT_BUDGET, SERIES_COLUMNS, metric_series
 from ddpdash.db.runs import RunInfo
+from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
 
-LIVE_METRICS = ("loss", "samples_per_s", "tokens_per_s", "step_time", "data_time", "val_loss", "val_acc")
+LIVE_METRICS = Metric.LIVE
 STALE_HEARTBEAT_S = 15.0
 STRAGGLER_RATIO = 1.5
 STALLED_MIN_S = 60.0  # a rank whose points stop for this long and for
@@ -113,10 +114,10 @@ def stalled(quiet: tuple[float, float] | None) -> bool:
 def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: float | None = None) -> pd.DataFrame:
     """One row per rank with a plain-words flag for stale heartbeats, stalled ranks and stragglers."""
     now = now or time.time()
-    quiet = _quiet_per_rank(cache.get("loss"), now)
-    loss = _last_per_rank(cache.get("loss"))
-    speed = _last_per_rank(cache.get("samples_per_s"))
-    step_time = _last_per_rank(cache.get("step_time"))
+    quiet = _quiet_per_rank(cache.get(Metric.LOSS), now)
+    loss = _last_per_rank(cache.get(Metric.LOSS))
+    speed = _last_per_rank(cache.get(Metric.SAMPLES_PER_S))
+    step_time = _last_per_rank(cache.get(Metric.STEP_TIME))
     rows = []
     for st_row in states.itertuples(index=False):
         rank = int(st_row.rank)
@@ -136,7 +137,7 @@ def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, step_times
               quiet: tuple[float, float] | None = None) -> str:
     """The heartbeat says the process is alive (its metrics thread still talks); steps say it works:
     a rank stuck in a collective keeps its heartbeat and stops stepping."""
-    if not run.is_active or status != "running":
+    if not run.is_active or status != RankStatus.RUNNING:
         return ""
     if heartbeat_age is not None and heartbeat_age > STALE_HEARTBEAT_S:
         return f"no heartbeat for {heartbeat_age:.0f} s: the process is frozen or dead"
@@ -153,7 +154,7 @@ def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, step_times
 
 
 def failures(events: pd.DataFrame) -> pd.DataFrame:
-    return events[events["kind"].isin(["rank_failed", "failed", "desync", "lost"])]
+    return events[events["kind"].isin(EventKind.PROBLEMS)]
 
 
 @dataclass(frozen=True)
@@ -196,10 +197,10 @@ def nvml_stats() -> list[dict[str, float | str]]:
 
 
 def newest_run_id(engine: Engine) -> int | None:
-    from ddpdash.db.runs import ACTIVE_STATUSES, list_runs
+    from ddpdash.db.runs import list_runs
 
     with Session(engine) as s:
-        active = list_runs(s, statuses=ACTIVE_STATUSES, limit=1)
+        active = list_runs(s, statuses=RunStatus.ACTIVE, limit=1)
         if active:
             return active[0].id
         latest = list_runs(s, limit=1)

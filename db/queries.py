@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from .chunks import read_points
 from .models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, RunEvent
 from .rollup import roll_up
+from .vocab import Metric
 
 DEFAULT_POINT_BUDGET = 1000  # points per line: more than a chart's width in pixels
 # A chart whose buckets need at most this many steps regroups the raw points (decoded with numpy);
@@ -161,24 +162,24 @@ def run_metric_summaries(s: Session, run_ids: list[int]) -> pd.DataFrame:
         select(MetricRollup.run_id, MetricRollup.name, MetricRollup.rank, func.min(MetricRollup.vmin),
                func.sum(MetricRollup.vsum), func.sum(MetricRollup.count))
         .where(MetricRollup.run_id.in_(run_ids), MetricRollup.width == coarse,
-               MetricRollup.name.in_(("loss", "samples_per_s")))
+               MetricRollup.name.in_((Metric.LOSS, Metric.SAMPLES_PER_S)))
         .group_by(MetricRollup.run_id, MetricRollup.name, MetricRollup.rank)
     ).all()
     last_bucket = (
         select(MetricRollup.run_id, MetricRollup.rank, func.max(MetricRollup.bucket).label("bucket"))
-        .where(MetricRollup.run_id.in_(run_ids), MetricRollup.width == coarse, MetricRollup.name == "loss")
+        .where(MetricRollup.run_id.in_(run_ids), MetricRollup.width == coarse, MetricRollup.name == Metric.LOSS)
         .group_by(MetricRollup.run_id, MetricRollup.rank).subquery()
     )
     last = s.execute(
         select(MetricRollup.run_id, MetricRollup.vlast)
         .join(last_bucket, (MetricRollup.run_id == last_bucket.c.run_id) & (MetricRollup.rank == last_bucket.c.rank)
               & (MetricRollup.bucket == last_bucket.c.bucket))
-        .where(MetricRollup.width == coarse, MetricRollup.name == "loss")
+        .where(MetricRollup.width == coarse, MetricRollup.name == Metric.LOSS)
     ).all()
     ranks = _frame(per_rank, ["run_id", "name", "rank", "vmin", "vsum", "count"])
     out = pd.DataFrame({"run_id": run_ids}).set_index("run_id")
-    loss = ranks[ranks["name"] == "loss"]
-    speed = ranks[ranks["name"] == "samples_per_s"]
+    loss = ranks[ranks["name"] == Metric.LOSS]
+    speed = ranks[ranks["name"] == Metric.SAMPLES_PER_S]
     out["final_loss"] = _frame(last, ["run_id", "v"]).groupby("run_id")["v"].mean()
     out["best_loss"] = loss.groupby("run_id")["vmin"].min()
     out["samples_per_s"] = (speed["vsum"] / speed["count"]).groupby(speed["run_id"]).sum()

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from ddpdash.db.migrate import SchemaError, open_store
 from ddpdash.db.queries import EXPORT_FORMATS, events, export_points, rank_states
 from ddpdash.db.runs import RunNotFound, get_run, list_runs
-from ddpdash.db.vocab import RunStatus
+from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.config import ConfigInvalid, RunConfig, config_fields, detect_machine, field_choices, field_kind
 from ddpdash.trainer.control import LaunchError, StopError
 
@@ -93,8 +93,8 @@ def wait_with_progress(engine: Engine, run_id: int, out: Any = None) -> int:
         with Session(engine) as s:
             run = get_run(s, run_id)
             states = rank_states(s, run_id)
-            loss = _last_value(s, run_id, "loss")
-            speed = _last_value(s, run_id, "samples_per_s", reduce="sum")
+            loss = _last_value(s, run_id, Metric.LOSS)
+            speed = _last_value(s, run_id, Metric.SAMPLES_PER_S, reduce="sum")
         done = int(states["step"].min()) if len(states) else 0
         total = run.total_steps or 0
         frac = done / total if total else 0.0

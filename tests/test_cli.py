@@ -106,3 +106,26 @@ def test_config_file_with_overrides(tmp_path: Path) -> None:
     cfg.write_text(json.dumps({"batchsize": 4}))
     result = ddpdash("launch", "--config", str(cfg), home=tmp_path / "home")
     assert "unknown setting 'batchsize'" in result.stderr
+
+
+def test_stop_of_a_run_on_another_host_is_one_line_and_changes_nothing(tmp_path: Path) -> None:
+    import time
+
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.migrate import open_store
+    from ddpdash.db.runs import create_run, get_run, update_run
+    from ddpdash.db.vocab import RunStatus
+
+    home = tmp_path / "home"
+    engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
+    with Session(engine) as s, s.begin():
+        run_id = create_run(s, key="remote", name="remote", config_json="{}", world_size=8, host="gpu-node-7",
+                            status=RunStatus.RUNNING)
+        update_run(s, run_id, heartbeat_at=time.time())
+    result = ddpdash("stop", str(run_id), home=home)
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"ddpdash: error: run {run_id} runs on host gpu-node-7; stop it from there "
+                                     f"(ddpdash stop {run_id})")
+    with Session(engine) as s:
+        assert get_run(s, run_id).status == RunStatus.RUNNING

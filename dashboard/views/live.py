@@ -12,12 +12,14 @@ from ddpdash.dashboard import charts, livedata, nav, state
 from ddpdash.dashboard.text import md_escape
 from ddpdash.db.queries import events, rank_states
 from ddpdash.db.runs import RunInfo, RunNotFound, get_run, list_runs
+from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.control import StopError, stop
 from ddpdash.trainer.rundir import RunDir, tail
 
 REFRESH_S = 1.5
-STATUS_COLORS = {"queued": "gray", "running": "blue", "stopping": "orange", "succeeded": "green",
-                 "failed": "red", "stopped": "orange", "lost": "violet"}
+STATUS_COLORS = {RunStatus.QUEUED: "gray", RunStatus.RUNNING: "blue", RunStatus.STOPPING: "orange",
+                 RunStatus.SUCCEEDED: "green", RunStatus.FAILED: "red", RunStatus.STOPPED: "orange",
+                 RunStatus.LOST: "violet"}
 
 
 def _pick_run() -> int | None:
@@ -97,24 +99,24 @@ def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
                     except StopError as exc:
                         st.error(str(exc))
                     st.rerun()
-        if run.error and run.status == "failed":
+        if run.error and run.status == RunStatus.FAILED:
             st.error(f"failed: rank(s) {list(run.failed_ranks) or '?'}")
 
 
 def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool) -> None:
-    loss = cache.get("loss")
+    loss = cache.get(Metric.LOSS)
     if loss.empty:
         st.info("Waiting for the first metrics: torchrun and the ranks take a few seconds to start.")
         return
     left, right = st.columns(2)
     left.altair_chart(charts.loss_chart(loss, smoothing, log_scale), width="stretch")
-    tokens = cache.get("tokens_per_s")
-    speed = tokens if not tokens.empty else cache.get("samples_per_s")
+    tokens = cache.get(Metric.TOKENS_PER_S)
+    speed = tokens if not tokens.empty else cache.get(Metric.SAMPLES_PER_S)
     right.altair_chart(charts.throughput_chart(speed, "tokens/s" if not tokens.empty else "samples/s"),
                        width="stretch")
     left, right = st.columns(2)
-    left.altair_chart(charts.timing_chart(cache.get("step_time"), cache.get("data_time")), width="stretch")
-    acc, val_loss = cache.get("val_acc"), cache.get("val_loss")
+    left.altair_chart(charts.timing_chart(cache.get(Metric.STEP_TIME), cache.get(Metric.DATA_TIME)), width="stretch")
+    acc, val_loss = cache.get(Metric.VAL_ACC), cache.get(Metric.VAL_LOSS)
     val, what = (acc, "accuracy") if not acc.empty else (val_loss, "loss")
     if not val.empty:
         right.altair_chart(charts.validation_chart(val, what), width="stretch")
