@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make run    start the dashboard on http://127.0.0.1:8501
+#   make run    start the dashboard (open the link it prints: it carries the start token)
 #   make test   lint and run every test
 VENV ?= .venv
 PY := $(VENV)/bin/python

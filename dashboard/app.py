@@ -1,12 +1,11 @@
-"""ddpdash dashboard entry point:
+"""ddpdash dashboard's Streamlit script (`ddpdash ui` serves it behind the web gate, dashboard/server.py):
 
-    streamlit run dashboard/app.py      (or: ddpdash ui)
+    streamlit run dashboard/server.py
 """
 
 import streamlit as st
 
-from ddpdash.dashboard import auth, nav
+from ddpdash.dashboard import nav
 
 st.set_page_config(page_title="ddpdash", page_icon=":material/monitoring:", layout="wide")
-if auth.gate():
-    st.navigation(nav.pages()).run()
+st.navigation(nav.pages()).run()

@@ -1,10 +1,10 @@
-"""Password gate: required whenever the dashboard listens beyond loopback (DDPDASH_PASSWORD)."""
+"""The bind rule: a dashboard that listens beyond loopback needs a password (DDPDASH_PASSWORD). What
+each request must show is checked by dashboard/gate.py."""
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
 
 PASSWORD_ENV = "DDPDASH_PASSWORD"
 ADDRESS_ENV = "DDPDASH_ADDRESS"
@@ -15,39 +15,24 @@ class ExposureError(RuntimeError):
 
 
 def is_loopback(address: str) -> bool:
-    if address in ("localhost", ""):
+    """Only `localhost` and loopback IP addresses. The empty address, 0.0.0.0 and :: listen on every
+    interface; any other name or address may be reachable from elsewhere."""
+    if address == "localhost":
         return True
     try:
-        return ipaddress.ip_address(address).is_loopback
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
     except ValueError:
         return False
 
 
 def check_exposure(address: str, password: str | None) -> None:
     if not is_loopback(address) and not password:
+        shown = repr(address) if address.strip() == "" else address
         raise ExposureError(
-            f"refusing to listen on {address}: anyone who reaches it could launch processes on this machine. "
-            f"Set {PASSWORD_ENV} to a password (every browser session then asks for it), or bind to 127.0.0.1"
+            f"refusing to listen on {shown}: anyone who reaches it could launch processes on this machine. "
+            f"Set {PASSWORD_ENV} to a password (every browser then signs in), or bind to 127.0.0.1"
         )
 
 
 def password_matches(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())  # constant time
-
-
-def gate() -> bool:
-    """True when this browser session may see the app; otherwise shows the password prompt."""
-    import streamlit as st
-
-    expected = os.environ.get(PASSWORD_ENV, "")
-    if not expected or st.session_state.get("_ddpdash_authenticated"):
-        return True
-    st.title("ddpdash")
-    with st.form("login"):
-        given = st.text_input("Password", type="password")
-        if st.form_submit_button("Sign in"):
-            if password_matches(given, expected):
-                st.session_state["_ddpdash_authenticated"] = True
-                st.rerun()
-            st.error("Wrong password.")
-    return False

@@ -1,14 +1,17 @@
-"""`ddpdash ui`: run the Streamlit server for dashboard/app.py (replaces this process)."""
+"""`ddpdash ui`: run the dashboard's server (dashboard/server.py: Streamlit behind the web gate),
+replacing this process."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
 from .auth import ADDRESS_ENV, PASSWORD_ENV, ExposureError, check_exposure
+from .gate import TOKEN_ENV
 
-APP = Path(__file__).resolve().parent / "app.py"
+APP = Path(__file__).resolve().parent / "server.py"
 
 
 def streamlit_argv(port: int, address: str) -> list[str]:
@@ -24,6 +27,16 @@ def streamlit_argv(port: int, address: str) -> list[str]:
     ]
 
 
+def first_url(address: str, port: int) -> str:
+    """The link to open. Without a password it carries this start's token (the gate asks for it once,
+    then remembers it in a cookie); the token is drawn here unless DDPDASH_TOKEN fixes it."""
+    host = "127.0.0.1" if address in ("", "0.0.0.0", "::") else (f"[{address}]" if ":" in address else address)
+    if os.environ.get(PASSWORD_ENV):
+        return f"http://{host}:{port}/"
+    token = os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(24))
+    return f"http://{host}:{port}/?token={token}"
+
+
 def serve(port: int, address: str) -> int:
     try:
         check_exposure(address, os.environ.get(PASSWORD_ENV))
@@ -31,7 +44,7 @@ def serve(port: int, address: str) -> int:
         print(f"ddpdash: error: {exc}", file=sys.stderr)
         return 2
     os.environ[ADDRESS_ENV] = address
-    print(f"ddpdash: dashboard on http://{address}:{port}", file=sys.stderr, flush=True)
+    print(f"ddpdash: dashboard on {first_url(address, port)}", file=sys.stderr, flush=True)
     argv = streamlit_argv(port, address)
     os.execv(argv[0], argv)  # the server replaces the CLI process: one process, signals reach it directly
     return 0  # pragma: no cover

@@ -41,19 +41,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_ui(home: Path, address: str = "127.0.0.1", **env: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_ui(home: Path, address: str = "127.0.0.1", **env: str) -> tuple[subprocess.Popen[bytes], str, str]:
+    """The dashboard as `ddpdash ui` serves it: the process, its base URL, and the first link it printed
+    (which carries this start's token when there is no password)."""
     port = free_port()
     full_env = {**os.environ, "DDPDASH_HOME": str(home), **env}
     full_env.pop("DDPDASH_DB_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "ddpdash.cli", "ui", "--port", str(port), "--address", address],
                             env=full_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    printed = proc.stdout.readline().decode()
+    first_url = printed.rsplit(" ", 1)[-1].strip()
     url = f"http://127.0.0.1:{port}"
+    assert first_url.startswith(url), printed
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc, url
+                    return proc, url, first_url
         except OSError:
             time.sleep(0.3)
         if proc.poll() is not None:
@@ -72,21 +78,26 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
     home = tmp_path_factory.mktemp("browser") / "home"
     # Paces rank 0 so a few hundred steps take long enough to watch them grow (a test-only switch).
-    proc, url = start_ui(home, DDPDASH_TEST_FAULT="sleep:0:0.05")
-    yield url, home
+    proc, url, first_url = start_ui(home, DDPDASH_TEST_FAULT="sleep:0:0.05")
+    yield url, home, first_url
     stop_active_runs(open_store(f"sqlite:///{home / 'ddpdash.db'}"))
     proc.terminate()
     proc.wait(10)
 
 
 @pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
+def page(browser: Browser, server: tuple[str, Path, str]) -> Iterator[Page]:
+    """A browser tab that has opened the link `ddpdash ui` printed, as a user does: the token is then
+    remembered in a cookie and left out of the address."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     pg = context.new_page()
     pg.set_default_timeout(TIMEOUT_MS)
+    url, _, first_url = server
+    pg.goto(first_url, wait_until="domcontentloaded")
+    expect(pg).to_have_url(re.compile(re.escape(url) + r"/?$"))
     yield pg
     context.close()
 
@@ -119,8 +130,8 @@ def steps_done(page: Page) -> int:
     return int(re.search(r"(\d+)/\d+ steps", text).group(1))  # type: ignore[union-attr]
 
 
-def test_journey_launch_watch_and_stop(server: tuple[str, Path], page: Page) -> None:
-    url, home = server
+def test_journey_launch_watch_and_stop(server: tuple[str, Path, str], page: Page) -> None:
+    url, home, _ = server
     page.goto(f"{url}/new", wait_until="domcontentloaded")
     expect(page.get_by_role("heading", name="New run")).to_be_visible()
     set_number(page, "Num procs", "2")
@@ -150,8 +161,8 @@ def test_journey_launch_watch_and_stop(server: tuple[str, Path], page: Page) -> 
         assert [r.status for r in list_runs(s)] == ["stopped"]
 
 
-def test_journey_bad_form_shows_the_error_and_launches_nothing(server: tuple[str, Path], page: Page) -> None:
-    url, home = server
+def test_journey_bad_form_shows_the_error_and_launches_nothing(server: tuple[str, Path, str], page: Page) -> None:
+    url, home, _ = server
     engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
     with Session(engine) as s:
         before = len(list_runs(s))
@@ -165,8 +176,8 @@ def test_journey_bad_form_shows_the_error_and_launches_nothing(server: tuple[str
         assert len(list_runs(s)) == before
 
 
-def test_journey_compare_two_finished_runs(server: tuple[str, Path], page: Page) -> None:
-    url, home = server
+def test_journey_compare_two_finished_runs(server: tuple[str, Path, str], page: Page) -> None:
+    url, home, _ = server
     engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
     ids = [seed_run(engine, RunConfig(name="lr-0.05", num_procs=2), steps=300),
            seed_run(engine, RunConfig(name="lr-0.2", num_procs=2, lr=0.2), steps=300, loss_scale=0.7)]
@@ -188,13 +199,14 @@ def test_journey_compare_two_finished_runs(server: tuple[str, Path], page: Page)
     shutil.copy(ARTIFACTS / "journey3-compare.png", ARTIFACTS / "compare.png")
 
 
-def test_password_gates_every_page(tmp_path: Path, browser: Browser) -> None:
-    proc, url = start_ui(tmp_path / "home", address="0.0.0.0", DDPDASH_PASSWORD="s3cret-pw")
+def test_password_gates_every_page_and_sign_in_lands_on_the_deep_link(tmp_path: Path, browser: Browser) -> None:
+    proc, url, first_url = start_ui(tmp_path / "home", address="0.0.0.0", DDPDASH_PASSWORD="s3cret-pw")
+    assert first_url == f"{url}/"  # no token: the password is asked instead
     try:
         context = browser.new_context()
         pg = context.new_page()
         pg.set_default_timeout(TIMEOUT_MS)
-        for path in ("/new", "/runs", "/compare", "/live"):
+        for path in ("/new", "/runs", "/live", "/compare?runs=1,2"):
             pg.goto(f"{url}{path}", wait_until="domcontentloaded")
             expect(pg.get_by_label("Password", exact=True)).to_be_visible()
             expect(pg.get_by_role("heading", name="New run")).to_have_count(0)
@@ -203,7 +215,8 @@ def test_password_gates_every_page(tmp_path: Path, browser: Browser) -> None:
         expect(pg.get_by_text("Wrong password.")).to_be_visible()
         pg.get_by_label("Password", exact=True).fill("s3cret-pw")
         pg.get_by_role("button", name="Sign in").click()
-        expect(pg.get_by_text("No runs yet")).to_be_visible()
+        expect(pg.get_by_role("heading", name="Compare")).to_be_visible()  # where the link pointed
+        expect(pg).to_have_url(re.compile(r"/compare\?runs=1(,|%2C)2"))
         context.close()
     finally:
         proc.terminate()
