@@ -20,6 +20,7 @@ from ddpdash.trainer.config import (
     field_kind,
     validate,
 )
+from ddpdash.trainer.memory import estimate
 
 KEY_PREFIX = "cfg_"
 SECTION_ORDER = ("Run", "Devices", "Model", "Training", "Advanced DDP")
@@ -170,6 +171,7 @@ def summary(cfg: RunConfig) -> dict[str, str]:
                          f" × {cfg.grad_accum_steps} accum"),
         "Effective lr": f"{cfg.effective_lr:g} ({lr_rule})",
         "Backend": cfg.resolved_backend,
+        "Memory (estimate)": estimate(cfg).text(),
     }
 
 

@@ -227,6 +227,19 @@ def summary_table(comp: Comparison, target_loss: float | None = None) -> pd.Data
     return pd.DataFrame(rows)
 
 
+MAX_RUN_ID = 2**63 - 1  # what the store's integer keys hold
+
+
+def parse_run_id(text: str | None) -> int | None:
+    """A run id from a URL or a form: ASCII digits only (not "²" or "٣", which str.isdigit accepts),
+    within the store's integer range; None otherwise."""
+    text = (text or "").strip()
+    if not text or not text.isascii() or not text.isdecimal() or len(text) > 19:
+        return None
+    value = int(text)
+    return value if 0 < value <= MAX_RUN_ID else None
+
+
 def parse_run_ids(raw: str | list[str] | None) -> list[int]:
     """Run ids from a URL query (`?runs=3,5,9` or repeated `runs=`); junk is ignored."""
     if not raw:
@@ -235,7 +248,7 @@ def parse_run_ids(raw: str | list[str] | None) -> list[int]:
     ids: list[int] = []
     for part in parts:
         for token in str(part).split(","):
-            token = token.strip()
-            if token.isdigit() and int(token) not in ids:
-                ids.append(int(token))
+            run_id = parse_run_id(token)
+            if run_id is not None and run_id not in ids:
+                ids.append(run_id)
     return ids[:MAX_COMPARE]

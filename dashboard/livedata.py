@@ -17,7 +17,12 @@ from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
 
 LIVE_METRICS = Metric.LIVE
 STALE_HEARTBEAT_S = 15.0
-STRAGGLER_RATIO = 1.5
+# A straggler is the rank the others wait for: with DDP every rank's step ends at the same all-reduce,
+# so the others' steps (which include that wait) take longer than its own. Flagged when, over the
+# recent window, the others' median step takes at least this much longer than its median...
+STRAGGLER_WAIT_SHARE = 0.3
+STRAGGLER_MIN_WAIT_S = 0.005  # ...and at least this long: a few-microsecond gap is noise, not a wait
+STRAGGLER_WINDOW = 30  # the newest points of each rank it judges by (one step is too noisy to tell)
 STALLED_MIN_S = 60.0  # a rank whose points stop for this long and for
 STALLED_INTERVALS = 10  # this many of its usual intervals between points has stopped stepping
 
@@ -118,6 +123,7 @@ def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: floa
     loss = _last_per_rank(cache.get(Metric.LOSS))
     speed = _last_per_rank(cache.get(Metric.SAMPLES_PER_S))
     step_time = _last_per_rank(cache.get(Metric.STEP_TIME))
+    straggler = find_straggler(cache.get(Metric.STEP_TIME))
     rows = []
     for st_row in states.itertuples(index=False):
         rank = int(st_row.rank)
@@ -127,14 +133,44 @@ def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: floa
             "loss": loss.get(rank), "samples/s": speed.get(rank), "step time (s)": step_time.get(rank),
             "heartbeat age (s)": round(age, 1) if age is not None else None,
             "host": st_row.host, "device": st_row.device,
-            "flag": rank_flag(run, st_row.status, age, step_time, rank, quiet.get(rank)),
+            "flag": rank_flag(run, st_row.status, age, rank, quiet.get(rank), straggler),
         })
     return pd.DataFrame(rows, columns=["rank", "status", "step", "loss", "samples/s", "step time (s)",
                                        "heartbeat age (s)", "host", "device", "flag"])
 
 
-def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, step_times: pd.Series, rank: int,
-              quiet: tuple[float, float] | None = None) -> str:
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    wait_s: float  # how much longer the others' steps take: the time they wait for it
+    own_s: float  # its own median step
+    others_s: float  # the others' median step
+
+    def text(self) -> str:
+        return (f"rank {self.rank} is the straggler: the others wait ≈ {self.wait_s * 1e3:.0f} ms per step for it "
+                f"(their steps take {self.others_s * 1e3:.0f} ms, its own {self.own_s * 1e3:.0f} ms)")
+
+
+def find_straggler(step_times: pd.DataFrame, window: int = STRAGGLER_WINDOW) -> Straggler | None:
+    """The rank the others wait for, judged by each rank's median step time over its newest points:
+    the one that waits least, when the others wait markedly (STRAGGLER_WAIT_SHARE, STRAGGLER_MIN_WAIT_S).
+    None for a healthy run, or with fewer than two ranks."""
+    if step_times.empty:
+        return None
+    recent = step_times.sort_values("step").groupby("rank").tail(window)
+    medians = recent.groupby("rank")["value"].median().dropna()
+    if len(medians) < 2:
+        return None
+    rank = int(medians.idxmin())
+    own, others = float(medians[rank]), float(medians.drop(rank).median())
+    wait = others - own
+    if wait >= STRAGGLER_MIN_WAIT_S and wait >= STRAGGLER_WAIT_SHARE * own:
+        return Straggler(rank, wait, own, others)
+    return None
+
+
+def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, rank: int,
+              quiet: tuple[float, float] | None = None, straggler: Straggler | None = None) -> str:
     """The heartbeat says the process is alive (its metrics thread still talks); steps say it works:
     a rank stuck in a collective keeps its heartbeat and stops stepping."""
     if not run.is_active or status != RankStatus.RUNNING:
@@ -145,11 +181,8 @@ def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, step_times
         assert quiet is not None
         return (f"no new step for {quiet[0]:.0f} s (it logs every {quiet[1]:.1f} s): hung — a collective "
                 "waiting on a peer, a deadlock — or in a long pause (evaluation, checkpoint)")
-    if rank in step_times.index and len(step_times) > 1:
-        others = step_times.drop(rank)
-        ratio = step_times[rank] / max(float(others.median()), 1e-12)
-        if ratio > STRAGGLER_RATIO:
-            return f"straggler: its steps take {ratio:.1f}× the others' — the whole group waits for it"
+    if straggler is not None and straggler.rank == rank:
+        return straggler.text()
     return ""
 
 

@@ -6,24 +6,32 @@ from typing import Any
 
 import streamlit as st
 
-# (url path, title, icon, script relative to dashboard/app.py)
+# (name, title, icon, script relative to dashboard/app.py); the name is the page's URL path.
 PAGE_SPECS = (
     ("live", "Live", ":material/monitoring:", "views/live.py"),
     ("new", "New run", ":material/rocket_launch:", "views/new_run.py"),
     ("runs", "Runs", ":material/table_rows:", "views/runs.py"),
     ("compare", "Compare", ":material/compare_arrows:", "views/compare.py"),
 )
+DEFAULT = "live"
+# Live is the default page, served at `/`; Streamlit still reserves the default page's own path, so it
+# gets one nobody types, and `/live` is a hidden second page on the same script.
+DEFAULT_URL_PATH = "overview"
 
 
 def page(name: str) -> Any:
-    for url_path, title, icon, script in PAGE_SPECS:
-        if url_path == name:
-            return st.Page(script, title=title, icon=icon, url_path=url_path, default=url_path == "live")
+    for spec_name, title, icon, script in PAGE_SPECS:
+        if spec_name == name:
+            default = name == DEFAULT
+            return st.Page(script, title=title, icon=icon, url_path=DEFAULT_URL_PATH if default else name,
+                           default=default)
     raise KeyError(name)
 
 
 def pages() -> list[Any]:
-    return [page(spec[0]) for spec in PAGE_SPECS]
+    spec = next(s for s in PAGE_SPECS if s[0] == DEFAULT)
+    alias = st.Page(spec[3], title=spec[1], icon=spec[2], url_path=DEFAULT, visibility="hidden")
+    return [page(s[0]) for s in PAGE_SPECS] + [alias]
 
 
 def go(name: str, **query: str | list[str]) -> None:

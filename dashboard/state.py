@@ -6,7 +6,7 @@ import streamlit as st
 from sqlalchemy import Engine
 
 from ddpdash.db.engine import default_db_url
-from ddpdash.db.migrate import open_store
+from ddpdash.db.migrate import StoreError, open_store
 from ddpdash.trainer.config import Machine, detect_machine
 from ddpdash.trainer.control import reconcile
 
@@ -17,8 +17,14 @@ def _engine(url: str) -> Engine:
 
 
 def engine() -> Engine:
-    """One engine per database URL for the whole server process."""
-    return _engine(default_db_url())
+    """One engine per database URL for the whole server process; a store that cannot be opened is one
+    message on the page (and the page stops), not a traceback."""
+    try:
+        return _engine(default_db_url())
+    except StoreError as exc:
+        st.error(f"The database cannot be used: {exc}")
+        st.stop()
+        raise  # st.stop() does not return
 
 
 @st.cache_resource(show_spinner="Looking for GPUs…")

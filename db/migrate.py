@@ -17,7 +17,11 @@ from sqlalchemy import Engine
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 
-class SchemaError(RuntimeError):
+class StoreError(RuntimeError):
+    """The store cannot be used: a bad URL, an unreachable server, a file that is not a database."""
+
+
+class SchemaError(StoreError):
     """The database's schema is not one this version of ddpdash can use."""
 
 
@@ -97,9 +101,34 @@ def upgrade(engine: Engine) -> None:
 
 
 def open_store(url: str | None = None) -> Engine:
-    """The engine for `url` (default: DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db), migrated to the newest schema."""
-    from .engine import make_engine
+    """The engine for `url` (default: DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db), migrated to the newest
+    schema. StoreError, in one line, when that cannot be."""
+    from sqlalchemy.exc import ArgumentError, DBAPIError
 
-    engine = make_engine(url)
-    upgrade(engine)
+    from .engine import make_engine
+    from .paths import default_db_url
+
+    shown = url or default_db_url()
+    try:
+        engine = make_engine(url)
+    except ArgumentError as exc:
+        raise StoreError(f"{_masked(shown)} is not a database URL this ddpdash can open ({exc}); set DDPDASH_DB_URL "
+                         "to e.g. sqlite:///path/ddpdash.db or postgresql+psycopg://user@host/db") from exc
+    except OSError as exc:
+        raise StoreError(f"cannot make the folder for {_masked(shown)}: {exc.strerror} ({exc.filename})") from exc
+    try:
+        upgrade(engine)
+    except DBAPIError as exc:
+        engine.dispose()
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise StoreError(f"cannot use the database {_masked(shown)}: {reason}") from exc
     return engine
+
+
+def _masked(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not even a URL: show it as given
+        return repr(url)

@@ -28,16 +28,17 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from .chunks import CHUNK_COLUMNS, chunk_rows, discard_after, read_points
-from .columns import MAX_BUFFERED_LOGS, Batch, Group, last_step, merge_batches, steps_in
+from .columns import MAX_BUFFERED_LOGS, Batch, Event, Group, last_step, merge_batches, steps_in
 from .models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, Run, RunEvent
 from .rollup import Bucket, roll_up, sorted_by_step
-from .vocab import RankStatus
+from .vocab import EventKind, RankStatus
 
 log = logging.getLogger(__name__)
 
 ROLLUP_COLUMNS = ("run_id", "name", "width", "rank", "bucket", "step_min", "step_max", "vmin", "vmax", "vsum",
                   "count", "time_max", "vlast")
-CLOSE_DEADLINE_S = 30.0
+CLOSE_DEADLINE_S = 180.0  # a rank's last batches wait out a database outage of up to this long
+OUTAGE_EVENT_S = 120.0  # an outage longer than this is recorded as an event once the database is back
 
 OpenBuckets = Mapping[str, Mapping[int, Bucket]]  # metric -> width -> its last bucket, still filling
 
@@ -212,6 +213,7 @@ class RankWriter:
         self.dropped = 0
         self.written_points = 0
         self._held: list[Batch] = []
+        self._failing_since: float | None = None
         with Session(engine) as s, s.begin():
             self._cursor = register_rank(s, run_id, rank, device=device, attempt=attempt,
                                          host=host or socket.gethostname(), pid=pid or os.getpid(),
@@ -220,6 +222,11 @@ class RankWriter:
     @property
     def run_id(self) -> int:
         return self._cursor.run_id
+
+    @property
+    def written_step(self) -> int:
+        """The rank's last step that is in the store."""
+        return self._cursor.step
 
     def send(self, batch: Batch) -> None:
         """Write this batch and any held ones; a refusal is logged and the batches held."""
@@ -233,13 +240,17 @@ class RankWriter:
         """Write this batch and any held ones, or raise (DBAPIError) holding them."""
         self._held.append(batch)
         merged = merge_batches(self._held)
+        if self._failing_since is not None and time.time() - self._failing_since > OUTAGE_EVENT_S:
+            merged = merge_batches([merged, Batch([], [self._outage_event()])])
         try:
             with self.engine.begin() as conn:
                 self._cursor = write_batch(conn, self._cursor, merged, time.time())
         except DBAPIError:
+            self._failing_since = self._failing_since or time.time()
             self._trim_held()
             raise
         self._held = []
+        self._failing_since = None
         self.written_points += sum(len(g.steps) * len(g.names) for g in merged.groups)
 
     def flush(self) -> None:
@@ -260,6 +271,13 @@ class RankWriter:
                     log.error("rank %d: giving up writing metrics at close: %s", self.rank, exc)
                     return
                 time.sleep(0.2)
+
+    def _outage_event(self) -> Event:
+        held = steps_in(g for b in self._held for g in b.groups)
+        lost = f"; {self.dropped} older step(s) could not be kept" if self.dropped else ""
+        return Event(EventKind.DB_OUTAGE, f"rank {self.rank}: the database was unreachable for "
+                     f"{time.time() - (self._failing_since or time.time()):.0f} s; {held} step(s) were held and are "
+                     f"written now{lost}", "", time.time())
 
     def _trim_held(self) -> None:
         """A long outage keeps the newest MAX_BUFFERED_LOGS steps, whole batches dropped oldest first."""

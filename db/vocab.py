@@ -52,8 +52,10 @@ class EventKind:
     STOP = "stop"  # a stop was requested
     STOPPED = "stopped"
     LOST = "lost"
+    SUPERVISOR_LOST = "supervisor_lost"  # the supervisor died; the ranks went on without it
+    DB_OUTAGE = "db_outage"  # the database was unreachable for a long while; metrics were held meanwhile
 
-    PROBLEMS = (RANK_FAILED, FAILED, DESYNC, LOST)
+    PROBLEMS = (RANK_FAILED, FAILED, DESYNC, LOST, SUPERVISOR_LOST, DB_OUTAGE)
 
 
 class Metric:

@@ -20,11 +20,19 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from ddpdash.db.migrate import SchemaError, open_store
+from ddpdash.db.migrate import StoreError, open_store
 from ddpdash.db.queries import EXPORT_FORMATS, events, export_points, rank_states
 from ddpdash.db.runs import RunNotFound, get_run, list_runs
 from ddpdash.db.vocab import Metric, RunStatus
-from ddpdash.trainer.config import ConfigInvalid, RunConfig, config_fields, detect_machine, field_choices, field_kind
+from ddpdash.trainer.config import (
+    ConfigInvalid,
+    RunConfig,
+    config_fields,
+    detect_machine,
+    field_choices,
+    field_kind,
+    read_settings,
+)
 from ddpdash.trainer.control import LaunchError, StopError
 
 EXIT_BAD_INPUT = 2
@@ -61,16 +69,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    base: dict[str, Any] = {}
-    if args.config:
-        try:
-            base = json.loads(Path(args.config).read_text())
-        except OSError as exc:
-            raise CliError(f"cannot read --config {args.config}: {exc.strerror}") from exc
-        except json.JSONDecodeError as exc:
-            raise CliError(f"--config {args.config} is not valid JSON: {exc}") from exc
-        if not isinstance(base, dict):
-            raise CliError(f"--config {args.config} must hold a JSON object of settings")
+    base = read_settings(Path(args.config)) if args.config else {}
     overrides = {f.name: getattr(args, f.name) for f in config_fields() if getattr(args, f.name) is not None}
     return RunConfig.from_dict({**base, **overrides})
 
@@ -87,9 +86,29 @@ def cmd_launch(engine: Engine, args: argparse.Namespace) -> int:
     return wait_with_progress(engine, run_id)
 
 
+RECONCILE_EVERY_S = 5.0  # while waiting or following: a dead supervisor is noticed within seconds
+
+
+class Reconciler:
+    """Calls trainer.control.reconcile at most every RECONCILE_EVERY_S."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.last = time.monotonic()
+
+    def tick(self) -> None:
+        if time.monotonic() - self.last >= RECONCILE_EVERY_S:
+            from ddpdash.trainer.control import reconcile
+
+            reconcile(self.engine)
+            self.last = time.monotonic()
+
+
 def wait_with_progress(engine: Engine, run_id: int, out: Any = None) -> int:
     out = out or sys.stderr
+    reconciler = Reconciler(engine)
     while True:
+        reconciler.tick()
         with Session(engine) as s:
             run = get_run(s, run_id)
             states = rank_states(s, run_id)
@@ -178,9 +197,11 @@ def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
     path = RunDir(Path(run.run_dir)).rank_log(args.rank, args.stream)
     if path is None:
         raise CliError(f"run {run.id} has no {args.stream} log for rank {args.rank} yet")
+    reconciler = Reconciler(engine)
     with open(path, encoding="utf-8", errors="replace") as f:
         sys.stdout.write(f.read())
         while args.follow:
+            reconciler.tick()
             chunk = f.read()
             if chunk:
                 sys.stdout.write(chunk)
@@ -198,10 +219,29 @@ def cmd_export(engine: Engine, args: argparse.Namespace) -> int:
         get_run(s, args.run)
         text = export_points(s, args.run, args.format)
     if args.output:
-        Path(args.output).write_text(text)
+        write_new_file(Path(args.output), text, overwrite=args.force)
+        print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def write_new_file(path: Path, text: str, *, overwrite: bool) -> None:
+    """Write `path` whole or not at all: into a temporary file beside it, then renamed over it, so a full
+    disk leaves no half-written export (and an existing file is untouched unless `overwrite`)."""
+    if path.is_dir():
+        raise CliError(f"--output {path} is a folder: name a file in it")
+    if path.exists() and not overwrite:
+        raise CliError(f"--output {path} exists: pass --force to replace it")
+    if not path.parent.is_dir():
+        raise CliError(f"--output {path}: the folder {path.parent} does not exist")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CliError(f"could not write --output {path}: {exc.strerror}") from exc
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -211,6 +251,13 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
 
 # ---- parser -----------------------------------------------------------------------------------
+def port_number(text: str) -> int:
+    if not text.strip().isdecimal() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535 (--port or PORT), got {text!r}")
+    return int(text)
+
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddpdash", description="Configure, launch, watch and compare DDP runs.")
     p.add_argument("--db-url", help="SQLAlchemy URL (default: $DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db)")
@@ -234,8 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run", type=int, metavar="RUN")
     export.add_argument("--format", choices=EXPORT_FORMATS, default="csv")
     export.add_argument("--output", "-o", help="write to this file instead of standard output")
+    export.add_argument("--force", action="store_true", help="replace --output if it exists")
     ui = sub.add_parser("ui", help="start the dashboard")
-    ui.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8501)))
+    # A string default goes through `type` too: a bad PORT is refused like a bad --port.
+    ui.add_argument("--port", type=port_number, default=os.environ.get("PORT", "8501"), help="[$PORT or 8501]")
     ui.add_argument("--address", default=os.environ.get("DDPDASH_ADDRESS", "127.0.0.1"))
     return p
 
@@ -258,11 +307,19 @@ def main(argv: list[str] | None = None) -> int:
         for e in exc.errors:
             print(f"ddpdash: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (CliError, RunNotFound, SchemaError) as exc:
+    except (CliError, RunNotFound, StoreError) as exc:
         print(f"ddpdash: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (LaunchError, StopError) as exc:
         print(f"ddpdash: error: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader went away (`ddpdash show 3 | head`): nothing more to say, and nothing to flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as exc:  # DDPDASH_HOME unusable, a full disk, ...
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"ddpdash: error: {exc.strerror or exc}{where}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

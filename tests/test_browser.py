@@ -197,6 +197,9 @@ def test_journey_compare_two_finished_runs(server: tuple[str, Path, str], page: 
     expect(page.get_by_text("setting(s) differ")).to_be_visible()
     shot(page, "journey3-compare")
     shutil.copy(ARTIFACTS / "journey3-compare.png", ARTIFACTS / "compare.png")
+    page.goto(f"{url}/live?run={ids[1]}", wait_until="domcontentloaded")  # a link to one run's Live page
+    expect(page.get_by_role("heading", name="lr-0.2")).to_be_visible()
+    expect(page.get_by_text("Page not found")).to_have_count(0)
 
 
 def test_password_gates_every_page_and_sign_in_lands_on_the_deep_link(tmp_path: Path, browser: Browser) -> None:

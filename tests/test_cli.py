@@ -85,7 +85,7 @@ def test_stop_a_running_run(tmp_path: Path) -> None:
         (["launch", "--amp", "fp16"], "amp fp16 on CPU"),
         (["launch", "--amp", "fp8"], "invalid choice: 'fp8'"),
         (["launch", "--devices", "a,b"], "expected comma-separated GPU indices"),
-        (["launch", "--config", "/nonexistent.json"], "cannot read --config /nonexistent.json"),
+        (["launch", "--config", "/nonexistent.json"], "config file /nonexistent.json cannot be read"),
         (["show", "999"], "no run with id 999"),
         (["logs", "999"], "no run with id 999"),
         (["export", "12", "--format", "xml"], "invalid choice: 'xml'"),

@@ -175,16 +175,21 @@ def test_stop_mid_run_leaves_no_process(engine: Engine) -> None:
 
 
 @pytest_slow
-def test_killed_supervisor_becomes_lost_and_leaves_nothing(engine: Engine) -> None:
+def test_a_run_whose_supervisor_and_ranks_are_all_killed_becomes_lost_and_leaves_nothing(engine: Engine) -> None:
+    """With its ranks alive, a run outlives its supervisor (tests/test_faults.py); with nothing left
+    training, the next reader calls it lost at once."""
     run_id = launch(engine, tiny(max_steps=1_000_000), CPU_MACHINE)
     wait_for(lambda: _step(engine, run_id) >= 5, 60)
     wait_for(lambda: len(_run(engine, run_id).worker_pids) >= 2, 10)
-    os.kill(_run(engine, run_id).supervisor_pid, signal.SIGKILL)  # type: ignore[arg-type]
-    wait_for(lambda: not _alive(_run(engine, run_id).supervisor_pid or 0), 10)
-    assert reconcile(engine) == [run_id]
+    running = _run(engine, run_id)
+    os.kill(running.supervisor_pid, signal.SIGKILL)  # type: ignore[arg-type]
+    for pid in running.worker_pids:
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not any(_alive(p) for p in (running.supervisor_pid or 0, *running.worker_pids)), 10)
+    wait_for(lambda: run_id in reconcile(engine), 15)  # torchrun's agent may linger a moment
     run = _run(engine, run_id)
-    assert run.status == "lost" and "supervisor" in run.error
-    assert wait_for(lambda: no_survivors(run), 10)
+    assert run.status == "lost" and "gone" in run.error
+    assert wait_for(lambda: no_survivors(running), 10)
     with Session(engine) as s:
         assert "lost" in events(s, run_id)["kind"].tolist()
 

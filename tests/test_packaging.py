@@ -4,6 +4,7 @@ it runs from a folder whose own `trainer.py`, `db.py` and `dashboard/` would sha
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -26,8 +27,12 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtualenv holding ddpdash's wheel (no editable link to this checkout); its other
     dependencies are this environment's, reused through a .pth file rather than installed again."""
     work = tmp_path_factory.mktemp("wheel")
+    # A copy of the checkout: a build in place would reuse build/lib, where a deleted module lingers.
+    source = work / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis", "test-artifacts"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(work / "dist"), str(ROOT)], check=True, capture_output=True, timeout=120)
+                    str(work / "dist"), str(source)], check=True, capture_output=True, timeout=120)
     [wheel] = (work / "dist").glob("ddpdash-*.whl")
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)

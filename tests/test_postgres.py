@@ -89,3 +89,29 @@ def test_a_real_torchrun_run_writes_every_rank_to_postgres(pg: Engine, pg_url: s
         loss = metric_series(s, run.id, "loss")
     assert run.status == "succeeded"
     assert loss.groupby("rank")["step"].max().to_dict() == {0: 15, 1: 15}
+
+
+@pytest.mark.slow
+def test_a_postgres_server_down_for_twenty_seconds_loses_nothing(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from ddpdash.db.vocab import RunStatus
+    from ddpdash.trainer.control import launch
+    from tests.conftest import CPU_MACHINE, tiny, wait_final, wait_for
+    from tests.pg import controlled_postgres_server
+    from tests.test_faults import _min_step, assert_every_step_once
+
+    monkeypatch.setenv("DDPDASH_HOME", str(tmp_path))
+    monkeypatch.setenv("DDPDASH_TEST_FAULT", "sleep:0:0.02")
+    with controlled_postgres_server() as server:
+        engine = open_store(server.url)
+        run_id = launch(engine, tiny(max_steps=600), CPU_MACHINE)
+        wait_for(lambda: _min_step(engine, run_id) >= 10, 90)
+        server.stop()
+        time.sleep(20)
+        server.start()
+        run = wait_final(engine, run_id, 300)
+        assert run.status == RunStatus.SUCCEEDED, run.error
+        assert_every_step_once(engine, run_id, 600)
+        engine.dispose()

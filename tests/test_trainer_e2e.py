@@ -117,22 +117,25 @@ def test_models_and_ddp_options_train_on_both_ranks(store, changes) -> None:  # 
     assert (not tokens.empty) == (changes["model"] == "transformer")
 
 
-def test_a_resumed_run_continues_at_the_checkpoint_step(store) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_run_in_the_same_folder_does_not_adopt_the_first_runs_checkpoint(store) -> None:  # type: ignore[no-untyped-def]
+    """A checkpoint is resumed only by the run that wrote it (a restarted attempt): a new torchrun by
+    hand on the same folder is a new run, and trains from step 1."""
     engine, url, root = store
-    run_dir = root / "resume"
+    run_dir = root / "again"
     first = torchrun_by_hand(tiny(max_steps=20, checkpoint_every=10), run_dir, url)
     assert first.returncode == 0, first.stderr[-3000:]
     first_id = run_in_dir(engine, run_dir).id
     second = torchrun_by_hand(tiny(max_steps=35, checkpoint_every=10), run_dir, url)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "was written by another run" in second.stderr
     with Session(engine) as s:
         from ddpdash.db.runs import list_runs
 
         second_id = next(r.id for r in list_runs(s) if r.run_dir == str(run_dir.resolve()) and r.id != first_id)
         loss = metric_series(s, second_id, "loss")
         ev = events(s, second_id)
-    assert loss.groupby("rank")["step"].apply(list).to_dict() == {0: list(range(21, 36)), 1: list(range(21, 36))}
-    assert "resuming from the checkpoint at step 20" in ev[ev["kind"] == "restart"].iloc[0]["message"]
+    assert loss.groupby("rank")["step"].apply(list).to_dict() == {0: list(range(1, 36)), 1: list(range(1, 36))}
+    assert "restart" not in ev["kind"].tolist()
 
 
 def test_single_plain_process_without_torchrun(store) -> None:  # type: ignore[no-untyped-def]

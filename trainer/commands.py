@@ -17,6 +17,7 @@ from .rundir import RunDir
 SHUTDOWN_TIMEOUT_S = 4  # torchrun's grace for workers after SIGTERM before it SIGKILLs them
 RANK_MODULE = "ddpdash.trainer"  # what torchrun runs on every rank
 SUPERVISOR_MODULE = "ddpdash.trainer.supervisor"
+RUN_KEY_ENV = "DDPDASH_RUN_KEY"  # the run's unique key: checkpoints carry it, and only that run resumes them
 
 
 def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sys.executable) -> list[str]:
@@ -40,8 +41,11 @@ def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sy
     ]
 
 
-def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None) -> dict[str, str]:
+def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None,
+                 run_key: str | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    if run_key:
+        env[RUN_KEY_ENV] = run_key
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # One thread per rank's share of the cores: more oversubscribes the CPU and slows every rank.
     env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.world_size, 1)))

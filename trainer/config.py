@@ -14,6 +14,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 Backend = Literal["auto", "nccl", "gloo"]
@@ -31,6 +32,7 @@ MODEL_DATASETS: dict[str, tuple[str, ...]] = {
     "transformer": ("text",),
 }
 MAX_PROCS_PER_CORE = 4
+MAX_STEPS = 2**31 - 1  # steps are 32-bit integers in the store (PostgreSQL INTEGER)
 
 
 def _f(default: Any, help: str, section: str = "Training", **extra: Any) -> Any:
@@ -43,38 +45,45 @@ class RunConfig:
     devices: tuple[int, ...] = _f(
         (), "CUDA device indices, one rank each (empty: CPU processes).", "Devices", list=True
     )
-    num_procs: int = _f(2, "Number of CPU processes (ranks); set from devices when GPUs are chosen.", "Devices", min=1)
+    num_procs: int = _f(2, "Number of CPU processes (ranks); set from devices when GPUs are chosen.", "Devices",
+                        min=1, max=1024)
     backend: Backend = _f("auto", "Process-group backend; auto = nccl with CUDA devices, else gloo.", "Devices")
     model: Model = _f("mlp", "Model: linear (seed example), mlp/cnn (digits), transformer (text LM).", "Model")
     dataset: Dataset = _f("auto", "Data set; auto picks the model's own.", "Model")
-    width: int = _f(64, "Hidden width (mlp units, cnn channels, transformer d_model).", "Model", min=1)
-    depth: int = _f(2, "Number of hidden layers / transformer blocks.", "Model", min=1)
-    seq_len: int = _f(64, "Transformer context length in tokens.", "Model", min=2)
-    num_heads: int = _f(4, "Transformer attention heads (must divide width).", "Model", min=1)
-    num_samples: int = _f(4096, "Synthetic regression samples.", "Model", min=16)
-    batch_size: int = _f(32, "Batch size per rank (global batch = batch × ranks × accumulation).", min=1)
+    width: int = _f(64, "Hidden width (mlp units, cnn channels, transformer d_model).", "Model", min=1,
+                    max=65_536)
+    depth: int = _f(2, "Number of hidden layers / transformer blocks.", "Model", min=1, max=256)
+    seq_len: int = _f(64, "Transformer context length in tokens.", "Model", min=2, max=4096)
+    num_heads: int = _f(4, "Transformer attention heads (must divide width).", "Model", min=1, max=256)
+    num_samples: int = _f(4096, "Synthetic regression samples.", "Model", min=16, max=100_000_000)
+    batch_size: int = _f(32, "Batch size per rank (global batch = batch × ranks × accumulation).", min=1,
+                        max=1_048_576)
     amp: Amp = _f("off", "Mixed precision: bf16 (CPU or recent GPU) or fp16 with GradScaler (CUDA).")
     optimizer: Optimizer = _f("sgd", "Optimizer.")
-    lr: float = _f(0.05, "Base learning rate (per single-rank batch).", min=0.0)
+    lr: float = _f(0.05, "Base learning rate (per single-rank batch).", min=0.0, max=1e4)
     scale_lr: bool = _f(True, "Linear scaling rule: effective lr = lr × world size.")
-    warmup_steps: int = _f(0, "Linear lr warm-up steps (helps large scaled lrs).", min=0)
-    num_epochs: int = _f(0, "Epochs to train (0: bounded by max_steps alone).", min=0)
-    max_steps: int = _f(200, "Optimizer steps to train (0: bounded by num_epochs alone).", min=0)
-    seed: int = _f(0, "Random seed (same on every rank, so replicas start identical).", min=0)
-    num_workers: int = _f(0, "DataLoader worker processes per rank.", min=0)
-    grad_accum_steps: int = _f(1, "Micro-batches per optimizer step (no_sync between).", "Advanced DDP", min=1)
-    bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MB.", "Advanced DDP", min=0.0)
+    warmup_steps: int = _f(0, "Linear lr warm-up steps (helps large scaled lrs).", min=0, max=MAX_STEPS)
+    num_epochs: int = _f(0, "Epochs to train (0: bounded by max_steps alone).", min=0, max=1_000_000)
+    max_steps: int = _f(200, "Optimizer steps to train (0: bounded by num_epochs alone).", min=0, max=MAX_STEPS)
+    seed: int = _f(0, "Random seed (same on every rank, so replicas start identical).", min=0, max=2**32 - 1)
+    num_workers: int = _f(0, "DataLoader worker processes per rank.", min=0, max=64)
+    grad_accum_steps: int = _f(1, "Micro-batches per optimizer step (no_sync between).", "Advanced DDP", min=1,
+                              max=4096)
+    bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MB.", "Advanced DDP", min=0.0, max=10_240.0)
     find_unused_parameters: bool = _f(False, "Let DDP look for parameters unused in forward.", "Advanced DDP")
     gradient_as_bucket_view: bool = _f(False, "Gradients as views into DDP buckets (saves memory).", "Advanced DDP")
     static_graph: bool = _f(False, "Tell DDP the graph never changes between steps.", "Advanced DDP")
     comm_hook: CommHook = _f("none", "Gradient communication hook (bf16 needs nccl).", "Advanced DDP")
-    log_every: int = _f(1, "Log metrics every N steps.", "Advanced DDP", min=1)
-    checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0: never).", "Advanced DDP", min=0)
+    log_every: int = _f(1, "Log metrics every N steps.", "Advanced DDP", min=1, max=MAX_STEPS)
+    checkpoint_every: int = _f(50, "Save a checkpoint every N steps (0: never).", "Advanced DDP", min=0,
+                              max=MAX_STEPS)
     sync_check_every: int = _f(50, "Compare parameter checksums across ranks every N steps (0: never).",
-                               "Advanced DDP", min=0)
-    max_restarts: int = _f(0, "Times torchrun restarts the group after a rank fails.", "Advanced DDP", min=0)
+                               "Advanced DDP", min=0, max=MAX_STEPS)
+    max_restarts: int = _f(0, "Times torchrun restarts the group after a rank fails.", "Advanced DDP", min=0, max=10)
     pg_timeout_s: int = _f(120, "Process-group timeout in seconds (a hang fails after this).", "Advanced DDP",
-                           min=10)
+                           min=10, max=86_400)
+    memory_check: bool = _f(True, "Refuse a run whose memory estimate exceeds what this machine (or GPU) has free.",
+                            "Advanced DDP")
 
     def __post_init__(self) -> None:
         # Devices decide the world size when GPUs are chosen: one source, no second count to agree.
@@ -140,14 +149,47 @@ class RunConfig:
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigInvalid([ConfigError("config", f"is not valid JSON: {exc}")]) from exc
-        return cls.from_dict(data)
+        return cls.from_dict(parse_settings(text))
+
+    @classmethod
+    def from_file(cls, path: Path) -> RunConfig:
+        return cls.from_dict(read_settings(path))
 
     def replace(self, **changes: Any) -> RunConfig:
         return RunConfig.from_dict({**self.to_dict(), **changes})
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a run's settings are a few hundred bytes; anything near this is not a config
+
+
+def read_settings(path: Path) -> dict[str, Any]:
+    """A JSON file of settings, read safely: at most MAX_CONFIG_BYTES (so /dev/zero cannot exhaust memory),
+    UTF-8, one JSON object. ConfigInvalid (field "config") names what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigInvalid([ConfigError("config", f"file {path} cannot be read: {exc.strerror}")]) from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigInvalid([ConfigError("config", f"file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB")])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigInvalid([ConfigError("config", f"file {path} is not UTF-8 text (byte {exc.start})")]) from exc
+    return parse_settings(text, f"file {path}")
+
+
+def parse_settings(text: str, where: str = "text") -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigInvalid([ConfigError("config", f"{where} is not valid JSON: {exc}")]) from exc
+    except RecursionError as exc:
+        raise ConfigInvalid([ConfigError("config", f"{where} is nested too deeply to be a config")]) from exc
+    if not isinstance(data, dict):
+        raise ConfigInvalid([ConfigError("config", f"{where} must hold a JSON object of settings, "
+                                                   f"got {type(data).__name__}")])
+    return data
 
 
 # ---- field introspection (the form and the CLI are generated from this) ---------------------
@@ -242,6 +284,7 @@ class Machine:
     gpus: tuple[tuple[str, float], ...] = ()  # (name, memory GiB) per CUDA index
     bf16_gpu: bool = False
     nccl: bool = False
+    memory_free_bytes: int = 0  # what the OS has available now; 0: unknown (no memory check)
 
     @property
     def has_cuda(self) -> bool:
@@ -255,12 +298,14 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         errors.append(ConfigError(name, message))
 
     for f in config_fields():
-        low = f.metadata.get("min")
+        low, high = f.metadata.get("min"), f.metadata.get("max")
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             err(f.name, f"must be a finite number, got {value}")
         elif low is not None and value < low:
             err(f.name, f"must be ≥ {low}, got {value}")
+        elif high is not None and value > high:
+            err(f.name, f"must be ≤ {high:,}, got {value:,}")
     if not cfg.name.strip():
         err("name", "must not be empty")
     elif len(cfg.name) > 200 or not cfg.name.isprintable():
@@ -301,15 +346,23 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         err("dataset", f"{cfg.model} trains on {' or '.join(MODEL_DATASETS[cfg.model])}, not {cfg.dataset}")
     if cfg.model == "transformer" and cfg.width % max(cfg.num_heads, 1):
         err("num_heads", f"must divide width ({cfg.width}); {cfg.num_heads} does not")
-    if cfg.seq_len > 4096:
-        err("seq_len", f"must be ≤ 4096, got {cfg.seq_len}")
     if cfg.num_epochs == 0 and cfg.max_steps == 0:
         err("max_steps", "and num_epochs are both 0: set at least one so the run can end")
-    if cfg.max_restarts > 10:
-        err("max_restarts", f"must be ≤ 10, got {cfg.max_restarts}")
     if cfg.lr <= 0 and math.isfinite(cfg.lr):
         err("lr", f"must be > 0, got {cfg.lr}")
+    if cfg.memory_check and not errors:
+        why = memory_problem(cfg, machine)
+        if why:
+            err("memory_check", f"refuses this run: it {why}. Make it smaller, or turn memory_check off "
+                                "(--no-memory-check) to launch it anyway")
     return errors
+
+
+def memory_problem(cfg: RunConfig, machine: Machine) -> str | None:
+    from .memory import estimate, fits
+
+    gpu_bytes = min((machine.gpus[d][1] * 2**30 for d in cfg.devices if 0 <= d < len(machine.gpus)), default=None)
+    return fits(estimate(cfg), machine.memory_free_bytes, gpu_bytes)
 
 
 def check(cfg: RunConfig, machine: Machine) -> RunConfig:
@@ -333,6 +386,9 @@ def detect_machine() -> Machine:
             gpus.append((props.name, round(props.total_memory / 2**30, 1)))
         bf16 = torch.cuda.is_bf16_supported()
     nccl = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
-    return Machine(cpu_count=cpu, gpus=tuple(gpus), bf16_gpu=bf16, nccl=nccl)
+    import psutil
+
+    return Machine(cpu_count=cpu, gpus=tuple(gpus), bf16_gpu=bf16, nccl=nccl,
+                   memory_free_bytes=int(psutil.virtual_memory().available))
 
 

@@ -74,14 +74,15 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     except PriorityError as exc:
         raise LaunchError(str(exc)) from exc
     db_url = db_url or engine.url.render_as_string(hide_password=False) or default_db_url()
+    key = f"ddpdash-{uuid.uuid4()}"
     with Session(engine) as s, s.begin():
-        run_id = create_run(s, key=f"ddpdash-{uuid.uuid4()}", name=cfg.name, config_json=cfg.to_json(),
-                            world_size=cfg.world_size, host=socket.gethostname())
+        run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=cfg.world_size,
+                            host=socket.gethostname())
     run_dir = new_run_dir(run_id)
     run_dir.config.write_text(cfg.to_json())
     try:
-        proc = _spawn(supervisor_argv(run_id, run_dir), run_dir.supervisor_log, torchrun_env(cfg, db_url),
-                      cwd=run_dir.path)
+        proc = _spawn(supervisor_argv(run_id, run_dir), run_dir.supervisor_log,
+                      torchrun_env(cfg, db_url, run_key=key), cwd=run_dir.path)
     except OSError as exc:
         with Session(engine) as s, s.begin():
             finish_run(s, run_id, RunStatus.FAILED, error=f"could not start the supervisor: {exc}")
@@ -230,16 +231,45 @@ def reconcile(engine: Engine, now: float | None = None) -> list[int]:
 
 
 def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None:
+    """Why an active run is lost, or None while it is not. A run on this host with a live supervisor is
+    the supervisor's to judge; every other run — on another host, started by hand, or whose supervisor
+    died — by its ranks' heartbeats, and on this host by its recorded processes too."""
     beat = _last_heartbeat(engine, run)
-    if run.host == host:
+    processes = (run.torchrun_pid, *run.worker_pids)
+    # Training means a rank alive: torchrun's agent alone only lingers on its way out (or to a restart).
+    training = any(alive(pid) for pid in run.worker_pids) if run.worker_pids else alive(run.torchrun_pid)
+    if run.host == host and run.supervisor_pid is not None:
         if supervisor_alive(run):
             return None
-        if run.status == RunStatus.QUEUED and now - run.created_at < QUEUED_GRACE_S and run.supervisor_pid is None:
-            return None  # launch() has not recorded the supervisor yet
+        if training and beat is not None and now - beat <= STALE_HEARTBEAT_S:
+            _note_supervisor_gone(engine, run)  # the ranks write the store themselves now
+            return None
         return f"the supervisor (pid {run.supervisor_pid}) is gone while the run was {run.status}"
-    if beat is not None and now - beat > STALE_HEARTBEAT_S:
-        return f"no heartbeat from host {run.host} for {now - beat:.0f} s"
+    if run.status == RunStatus.QUEUED and run.supervisor_pid is None:
+        if now - run.created_at < QUEUED_GRACE_S:
+            return None  # launch() has not recorded the supervisor yet
+        return "its supervisor never started"
+    if run.host == host and any(processes) and not training:
+        return "its supervisor and its training processes are gone"
+    last = beat if beat is not None else run.created_at
+    if now - last > STALE_HEARTBEAT_S:
+        where = f"host {run.host}" if run.host and run.host != host else "its ranks"
+        return f"no heartbeat from {where} for {now - last:.0f} s"
     return None
+
+
+def _note_supervisor_gone(engine: Engine, run: RunInfo) -> None:
+    """The supervisor died but the ranks still beat: they fall back to writing the store directly, and
+    rank 0 records the outcome. From now on the run is judged like a hand-started one."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, update_run
+
+    with Session(engine) as s, s.begin():
+        update_run(s, run.id, supervisor_pid=None)
+        add_event(s, run.id, EventKind.SUPERVISOR_LOST,
+                  f"the supervisor (pid {run.supervisor_pid}) is gone; the ranks go on and write their metrics "
+                  "themselves, and rank 0 records the outcome")
 
 
 def _last_heartbeat(engine: Engine, run: RunInfo) -> float | None:

@@ -18,22 +18,28 @@ marshal cannot run code; the token keeps other local users out.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import marshal
 import os
 import secrets
+import select
 import socket
 import struct
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ddpdash.db.columns import Batch, Event, pack, unpack
+
+if TYPE_CHECKING:
+    from .metrics import Sender
 
 log = logging.getLogger(__name__)
 
 ADDRESS_ENV = "DDPDASH_RELAY"  # host:port of the supervisor's relay, set only for ranks it launched
 TOKEN_ENV = "DDPDASH_RELAY_TOKEN"
+SUPERVISOR_PID_ENV = "DDPDASH_SUPERVISOR_PID"  # whether it still lives decides who records the outcome
 ACK_TIMEOUT_S = 30.0
 _LENGTH = struct.Struct("!I")
 
@@ -122,10 +128,22 @@ class Listener:
 
     def env(self) -> dict[str, str]:
         """What torchrun passes on to the ranks."""
-        return {ADDRESS_ENV: self.address, TOKEN_ENV: self.token}
+        return {ADDRESS_ENV: self.address, TOKEN_ENV: self.token, SUPERVISOR_PID_ENV: str(os.getpid())}
 
     def close(self) -> None:
         self.sock.close()
+
+
+def supervisor_gone(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the supervisor that launched this rank has died (a zombie counts as dead)."""
+    raw = (os.environ if env is None else env).get(SUPERVISOR_PID_ENV, "")
+    if not raw.isdigit():
+        return False
+    try:
+        with open(f"/proc/{raw}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 def relay_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
@@ -137,11 +155,18 @@ def relay_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str] | No
 # ---- the rank's end --------------------------------------------------------------------------
 class RelaySender:
     """A rank's sender (trainer/metrics.py) when its supervisor writes the database: every batch goes
-    as one frame. Connects at once (OSError if the supervisor cannot be reached); never raises after."""
+    as one frame. Connects at once (OSError if the supervisor cannot be reached); never raises after.
 
-    def __init__(self, address: str, token: str, hello: Hello) -> None:
+    Should the supervisor go (killed, or its machine's OOM killer), `fallback` makes the sender that takes
+    over — the store itself, for a launched rank — and the batch that could not be sent goes there, as
+    does everything after it: training goes on and keeps its metrics."""
+
+    def __init__(self, address: str, token: str, hello: Hello,
+                 fallback: Callable[[], Sender] | None = None) -> None:
         self.rank = hello.rank
         self.dropped = 0
+        self.taken_over: Sender | None = None  # the fallback, once the supervisor is gone
+        self._fallback = fallback
         self._broken = False
         host, port = address.rsplit(":", 1)
         self._sock = socket.create_connection((host, int(port)), timeout=ACK_TIMEOUT_S)
@@ -149,21 +174,42 @@ class RelaySender:
         send_frame(self._sock, hello_frame(token, hello))
 
     def send(self, batch: Batch) -> None:
+        if self.taken_over is not None:
+            self.taken_over.send(batch)
+            return
         if self._broken:
             self.dropped += _steps(batch)
+            return
+        if self._peer_gone():
+            self._give_up(RelayError("the supervisor closed the connection"), batch)
             return
         try:
             send_frame(self._sock, batch_frame(batch))
         except (OSError, ValueError, TypeError) as exc:
-            self._give_up(exc, _steps(batch))
+            self._give_up(exc, batch)
 
     def flush(self) -> None:
+        if self.taken_over is not None:
+            self.taken_over.flush()
+            return
         self._request(("flush",))
 
     def close(self, batch: Batch) -> None:
         self.send(batch)
+        if self.taken_over is not None:
+            self.taken_over.close(Batch([], [], batch.status, batch.total_steps))
+            return
         self._request(("close",))
         self._sock.close()
+
+    def _peer_gone(self) -> bool:
+        """Whether the supervisor's end has closed: a killed process's socket is closed by the kernel, and
+        a frame sent into it would vanish without an error (the first send after a close succeeds)."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return bool(readable) and self._sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):  # ValueError: the socket is closed already (fd -1)
+            return True
 
     def _request(self, message: tuple[Any, ...]) -> None:
         """Send `message` and wait for the supervisor's ("ok",): everything before it is written."""
@@ -173,18 +219,31 @@ class RelaySender:
             send_frame(self._sock, message)
             reply = recv_frame(self._sock)
         except (OSError, ValueError, RelayError) as exc:
-            self._give_up(exc, 0)
+            self._give_up(exc, None)
             return
         if reply is None or reply[0] not in ("ok", "failed"):
-            self._give_up(RelayError(f"the supervisor answered {reply!r} to {message[0]}"), 0)
+            self._give_up(RelayError(f"the supervisor answered {reply!r} to {message[0]}"), None)
         elif reply[0] == "failed":
             log.warning("rank %d: the supervisor could not write metrics yet: %s", self.rank, reply[1:])
 
-    def _give_up(self, exc: Exception, lost: int) -> None:
-        # The supervisor is gone (it was killed, or the run is being torn down): training goes on,
-        # and ddpdash's reconcile marks the run lost and stops it.
+    def _give_up(self, exc: Exception, unsent: Batch | None) -> None:
+        """The supervisor is gone (killed, or the run is being torn down): training goes on; its
+        metrics go to the fallback if there is one, else they are counted as dropped."""
         self._broken = True
-        self.dropped += lost
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self._fallback is not None:
+            try:
+                self.taken_over = self._fallback()
+            except Exception as fallback_exc:  # the store is unreachable too: nothing left to try
+                log.warning("rank %d: metrics relay lost (%s) and the store unreachable (%s); metrics dropped",
+                            self.rank, exc, fallback_exc)
+            else:
+                log.warning("rank %d: metrics relay lost (%s); writing metrics to the store directly", self.rank, exc)
+                if unsent is not None:
+                    self.taken_over.send(unsent)
+                return
+        self.dropped += _steps(unsent) if unsent is not None else 0
         log.warning("rank %d: metrics relay lost (%s); later metrics are dropped", self.rank, exc)
 
 

@@ -2,7 +2,9 @@
 
     $DDPDASH_HOME/runs/run-NNNNN/
         config.json          the RunConfig, written once by the launcher (or by a user for a hand-started run)
-        checkpoint.pt        the newest checkpoint (rank 0 writes it; a restarted attempt resumes from it)
+        checkpoint.pt        the checkpoint a restarted attempt resumes from
+        checkpoint.pending-NNNNNNNNNN.pt   a newer one, not yet every rank's metrics up to its step are
+                             stored; the supervisor promotes it to checkpoint.pt once they are
         supervisor.log       the supervisor's own log
         torchrun.log         torchrun's output
         logs/<rdzv>_<rand>/attempt_<n>/<local_rank>/{stdout,stderr}.log, error.json   (torchrun's layout)
@@ -13,6 +15,7 @@ Standard library only: the ranks, the supervisor and the dashboard all read it.
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,18 @@ class RunDir:
     @property
     def checkpoint(self) -> Path:
         return self.path / "checkpoint.pt"
+
+    def pending_checkpoint(self, step: int) -> Path:
+        return self.path / f"checkpoint.pending-{step:010d}.pt"
+
+    def pending_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, file) of the checkpoints not yet promoted, oldest first."""
+        found = []
+        for path in self.path.glob("checkpoint.pending-*.pt"):
+            digits = path.name.removeprefix("checkpoint.pending-").removesuffix(".pt")
+            if digits.isdecimal():
+                found.append((int(digits), path))
+        return sorted(found)
 
     @property
     def supervisor_log(self) -> Path:
@@ -70,9 +85,17 @@ class RunDir:
 
 
 def new_run_dir(run_id: int, root: Path | None = None) -> RunDir:
-    path = (root or runs_root()) / f"{FOLDER_PREFIX}{run_id:05d}"
-    path.mkdir(parents=True, exist_ok=True)
-    return RunDir(path)
+    """A folder no other run has used: `run-NNNNN`, or `run-NNNNN-xxxxxx` when that exists already (a
+    database reset hands out ids again; the old run's checkpoint must never become the new one's)."""
+    root = root or runs_root()
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{FOLDER_PREFIX}{run_id:05d}"
+    while True:
+        try:
+            (root / name).mkdir()
+            return RunDir(root / name)
+        except FileExistsError:
+            name = f"{FOLDER_PREFIX}{run_id:05d}-{secrets.token_hex(3)}"
 
 
 def tail(path: Path, lines: int = 40, max_bytes: int = 64_000) -> str:

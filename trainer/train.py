@@ -14,7 +14,7 @@ import socket
 import time
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -29,12 +29,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
 
+from .commands import RUN_KEY_ENV
 from .config import RunConfig
 from .data import Data, keep_batch, load
 from .faults import Fault, InjectedFault, parse_faults
 from .metrics import RankLogger, direct_logger
 from .models import build
-from .relay import Hello, RelaySender, relay_from_env
+from .relay import Hello, RelaySender, relay_from_env, supervisor_gone
 from .rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -92,18 +93,25 @@ class StopFlag:
 
 # ---- checkpoints -----------------------------------------------------------------------------
 def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    step: int) -> None:
+                    step: int, owner: str) -> None:
+    """`owner` is the run's key: only that run may resume from this file."""
     tmp = path.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict(),
-                "step": step}, tmp)
+                "step": step, "run": owner}, tmp)
     os.replace(tmp, path)  # atomic: a crash mid-write leaves the previous checkpoint whole
 
 
-def read_checkpoint(path: Path) -> dict[str, Any] | None:
-    """The run folder's checkpoint, if any (read once: main() needs its step, train() its state)."""
+def read_checkpoint(path: Path, owner: str) -> dict[str, Any] | None:
+    """The run folder's checkpoint when this run (key `owner`) wrote it (read once: main() needs its step,
+    train() its state). Another run's checkpoint — a folder reused by hand, or after a database reset —
+    is left alone: this run starts from step 0."""
     if not path.exists():
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("run") != owner:
+        log.warning("%s was written by another run (%s); not resuming from it", path, state.get("run") or "unknown")
+        return None
+    return state
 
 
 def apply_checkpoint(state: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
@@ -231,16 +239,20 @@ class Trainee:
     scaler: torch.amp.GradScaler
     samples_per_step: int
     tokens_per_sample: int
+    run_key: str  # whose checkpoints these are
+    checkpoint_path: Callable[[int], Path]  # where the checkpoint of a step goes
 
 
-def make_trainee(cfg: RunConfig, env: DistEnv, data: Data) -> Trainee:
+def make_trainee(cfg: RunConfig, env: DistEnv, data: Data, run_key: str,
+                 checkpoint_path: Callable[[int], Path]) -> Trainee:
     torch.manual_seed(cfg.seed)  # same seed on every rank: replicas start identical
     module = build(cfg, data).to(env.device)
     return Trainee(
         cfg, env, data, module, wrap_ddp(cfg, module, env), make_optimizer(cfg, module.parameters()),
         torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16"),
         samples_per_step=cfg.batch_size * cfg.grad_accum_steps,
-        tokens_per_sample=cfg.seq_len if data.task == "lm" else 0,
+        tokens_per_sample=cfg.seq_len if data.task == "lm" else 0, run_key=run_key,
+        checkpoint_path=checkpoint_path,
     )
 
 
@@ -255,9 +267,13 @@ def make_loader(t: Trainee) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
 
 
 def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, stop: StopFlag,
-          faults: list[Fault], checkpoint: dict[str, Any] | None = None) -> str:
-    """Train until done or asked to stop; returns the rank's final status (done or stopped)."""
-    t = make_trainee(cfg, env, load(cfg))
+          faults: list[Fault], run_key: str, checkpoint: dict[str, Any] | None = None,
+          supervised: bool = False) -> str:
+    """Train until done or asked to stop; returns the rank's final status (done or stopped). A supervised
+    run writes its checkpoints as pending: the supervisor promotes one once every rank's metrics up to
+    its step are stored, so a restart never resumes past metrics that were lost with a killed rank."""
+    checkpoint_path = run_dir.pending_checkpoint if supervised else (lambda _step: run_dir.checkpoint)
+    t = make_trainee(cfg, env, load(cfg), run_key, checkpoint_path)
     step = apply_checkpoint(checkpoint, t.module, t.opt, t.scaler) if checkpoint else 0
     loader, sampler = make_loader(t)
     steps_per_epoch = max(len(loader) // cfg.grad_accum_steps, 1)
@@ -335,7 +351,7 @@ def after_step(t: Trainee, step: int, total: int, window: Window, logger: RankLo
         if bad and env.rank == 0:
             logger.event(EventKind.DESYNC, f"replicas out of sync at step {step}: rank(s) {bad} differ from rank 0")
     if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and env.rank == 0:
-        save_checkpoint(run_dir.checkpoint, t.module, t.opt, t.scaler, step)
+        save_checkpoint(t.checkpoint_path(step), t.module, t.opt, t.scaler, step, t.run_key)
     return window
 
 
@@ -394,7 +410,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def open_logger(run_id: int | None, db_url: str | None, cfg: RunConfig, env: DistEnv, run_dir: RunDir,
-                resume_after_step: int | None) -> tuple[RankLogger, int, Any]:
+                resume_after_step: int | None, key: str = "") -> tuple[RankLogger, int, Any]:
     """The rank's metrics logger, its run id, and the engine when the rank writes the store itself.
 
     Ranks the supervisor launched (`run_id` given, the relay in the environment) relay their metrics
@@ -403,8 +419,16 @@ def open_logger(run_id: int | None, db_url: str | None, cfg: RunConfig, env: Dis
     hello = Hello(env.rank, str(env.device), env.attempt, resume_after_step, os.getpid(), socket.gethostname())
     relay = relay_from_env()
     if relay is not None and run_id is not None:
+        launched_run = run_id
+
+        def write_directly() -> Any:  # should the supervisor die: the rank keeps its metrics (db.store.RankWriter)
+            from ddpdash.db.engine import make_engine
+            from ddpdash.db.store import RankWriter
+
+            return RankWriter(make_engine(db_url), launched_run, env.rank, device=hello.device, attempt=env.attempt)
+
         try:
-            return RankLogger(RelaySender(*relay, hello), env.rank), run_id, None
+            return RankLogger(RelaySender(*relay, hello, fallback=write_directly), env.rank), run_id, None
         except OSError as exc:
             log.warning("metrics relay at %s unreachable (%s): writing to the database directly", relay[0], exc)
     if run_id is not None:
@@ -415,23 +439,31 @@ def open_logger(run_id: int | None, db_url: str | None, cfg: RunConfig, env: Dis
         from ddpdash.db.migrate import open_store  # Alembic: only a hand-started run may have to create the schema
 
         engine = open_store(db_url)
-        run_id = register_run(engine, cfg, run_dir, env.world_size)
+        run_id = register_run(engine, cfg, run_dir, env.world_size, key or run_key(run_dir))
     logger = direct_logger(engine, run_id, env.rank, device=hello.device, attempt=env.attempt,
                            resume_after_step=resume_after_step)
     return logger, run_id, engine
 
 
-def register_run(engine: Any, cfg: RunConfig, run_dir: RunDir, world_size: int) -> int:
+def run_key(run_dir: RunDir) -> str:
+    """The run's key: the launcher's (in the environment), or, for a hand-started torchrun, one per
+    rendezvous and config folder — every node of a job shares both (README), so all ranks agree, and a
+    restarted attempt keeps it."""
+    launched = os.environ.get(RUN_KEY_ENV)
+    if launched:
+        return launched
+    rendezvous = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4()}"
+    folder = hashlib.sha1(str(run_dir.path.resolve()).encode()).hexdigest()[:16]
+    return f"{rendezvous[:47]}:{folder}"
+
+
+def register_run(engine: Any, cfg: RunConfig, run_dir: RunDir, world_size: int, key: str) -> int:
     """A hand-started torchrun registers one run per rendezvous: every rank finds or creates the same row."""
     from sqlalchemy.exc import IntegrityError
     from sqlalchemy.orm import Session
 
     from ddpdash.db.runs import create_run, find_run_by_key, update_run
 
-    # Every node of a job shares the rendezvous id and (README) the config path: one run for all ranks.
-    rendezvous = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4()}"
-    folder = hashlib.sha1(str(run_dir.path.resolve()).encode()).hexdigest()[:16]
-    key = f"{rendezvous[:47]}:{folder}"
     for _ in range(50):
         with Session(engine) as s, s.begin():
             found = find_run_by_key(s, key)
@@ -453,17 +485,21 @@ def main(argv: list[str] | None = None) -> int:
     rank_label = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_label} %(levelname)s %(message)s")
     args = parse_args(argv)
-    cfg = RunConfig.from_json(args.config.read_text())
+    cfg = RunConfig.from_file(args.config)
     run_dir = RunDir.of_config(args.config)
     stop = StopFlag()
     faults = parse_faults()
     env = init_distributed(cfg)
     supervised = args.run_id is not None
-    checkpoint = read_checkpoint(run_dir.checkpoint)
+    key = run_key(run_dir)
+    checkpoint = read_checkpoint(run_dir.checkpoint, key)
     resume_step = int(checkpoint["step"]) if checkpoint else 0
     resuming = env.attempt > 0 or resume_step > 0
+    if env.rank == 0 and env.attempt > 0:
+        for _, stale in run_dir.pending_checkpoints():  # the failed attempt's: never to be promoted now
+            stale.unlink(missing_ok=True)
     logger, run_id, engine = open_logger(args.run_id, args.db_url, cfg, env, run_dir,
-                                         resume_step if resuming else None)
+                                         resume_step if resuming else None, key)
     if env.rank == 0:
         if resuming:
             logger.event(EventKind.RESTART,
@@ -475,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
              "via the supervisor's relay" if engine is None else "written to the database directly")
     status = RankStatus.FAILED
     try:
-        status = train(cfg, env, logger, run_dir, stop, faults, checkpoint)
+        status = train(cfg, env, logger, run_dir, stop, faults, key, checkpoint, supervised)
         del checkpoint
     except Exception as exc:
         if stop.requested:
@@ -485,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
     finally:
         logger.close(status=status)
-        if env.rank == 0 and not supervised:
-            _finish_unsupervised(engine, run_id, status)
+        if env.rank == 0:
+            _record_outcome_if_unsupervised(logger, engine, run_id, status, supervised)
         gc.collect()  # release DDP's buffers before tearing the group down: avoids SIGABRT at exit (NOTES)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -498,6 +534,18 @@ def main(argv: list[str] | None = None) -> int:
 
 # A rank's final status, as the run's: how rank 0 of a run without a supervisor records the outcome.
 RUN_STATUS_OF_RANK = {RankStatus.DONE: RunStatus.SUCCEEDED, RankStatus.STOPPED: RunStatus.STOPPED}
+
+
+def _record_outcome_if_unsupervised(logger: RankLogger, engine: Any, run_id: int, status: str,
+                                    supervised: bool) -> None:
+    """Rank 0 records the run's outcome when no supervisor will: a hand-started run, or a launched one
+    whose supervisor died (its metrics then went to the store directly, through `engine`)."""
+    if not supervised:
+        _finish_unsupervised(engine, run_id, status)
+        return
+    taken_over = getattr(logger.sender, "taken_over", None)  # a db.store.RankWriter, once the relay broke
+    if taken_over is not None and supervisor_gone():
+        _finish_unsupervised(taken_over.engine, run_id, status)
 
 
 def _finish_unsupervised(engine: Any, run_id: int, status: str) -> None:

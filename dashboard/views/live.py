@@ -8,7 +8,7 @@ from pathlib import Path
 import streamlit as st
 from sqlalchemy.orm import Session
 
-from ddpdash.dashboard import charts, livedata, nav, state
+from ddpdash.dashboard import charts, history, livedata, nav, state
 from ddpdash.dashboard.text import md_escape
 from ddpdash.db.queries import events, rank_states
 from ddpdash.db.runs import RunInfo, RunNotFound, get_run, list_runs
@@ -29,9 +29,8 @@ def _pick_run() -> int | None:
         return None
     ids = [r.id for r in runs]
     labels = {r.id: f"#{r.id} · {r.name} · {r.status}" for r in runs}
-    wanted = st.query_params.get("run")
-    default = int(wanted) if wanted and wanted.isdigit() and int(wanted) in ids else livedata.newest_run_id(
-        state.engine())
+    wanted = history.parse_run_id(st.query_params.get("run"))
+    default = wanted if wanted in ids else livedata.newest_run_id(state.engine())
     choice = st.selectbox("Run", ids, index=ids.index(default) if default in ids else 0,
                           format_func=lambda i: labels[i])
     st.query_params["run"] = str(choice)  # a link to this page reopens this run
@@ -60,6 +59,7 @@ def render() -> None:
 
 def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> None:
     engine = state.engine()
+    state.reconcile_runs()  # each tick: a dead supervisor is noticed within seconds, not at the next page load
     cache: livedata.SeriesCache = st.session_state["_live_cache"]
     try:
         with Session(engine) as s:

@@ -7,7 +7,7 @@ from typing import Any
 import streamlit as st
 from sqlalchemy.orm import Session
 
-from ddpdash.dashboard import forms, nav, state
+from ddpdash.dashboard import forms, history, nav, state
 from ddpdash.dashboard.text import md_escape
 from ddpdash.db.runs import RunNotFound, get_run
 from ddpdash.trainer.config import ConfigInvalid, Machine, RunConfig
@@ -18,8 +18,11 @@ def _prefill() -> None:
     clone = st.query_params.get("clone")
     if clone and st.session_state.get("_cloned_from") != clone:
         try:
+            run_id = history.parse_run_id(clone)
+            if run_id is None:
+                raise ValueError("not a run id")
             with Session(state.engine()) as s:
-                cfg = RunConfig.from_dict(get_run(s, int(clone)).config)
+                cfg = RunConfig.from_dict(get_run(s, run_id).config)
             st.session_state.update(forms.widget_state(cfg.replace(name=f"{cfg.name}-clone")))
             st.session_state["_cloned_from"] = clone
             st.toast(f"Form filled from run {clone}")
@@ -104,6 +107,8 @@ def _summary_and_launch(result: forms.FormResult) -> None:
         if result.config is not None:
             for label, value in forms.summary(result.config).items():
                 st.markdown(f"{label}: `{value}`")
+        for message in result.errors.get("memory_check", []):
+            st.error(f"Memory: {message}", icon=":material/memory:")
         problems = sum(len(v) for v in result.errors.values())
         if problems:
             st.warning(f"{problems} problem(s) to fix before launch: see the fields marked in red.")

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     db_url = default_db_url()
     run_dir = RunDir(args.run_dir)
     # torchrun first, the database after: every import before this line is launch latency.
-    cfg = RunConfig.from_json(run_dir.config.read_text())
+    cfg = RunConfig.from_file(run_dir.config)
     nice = _nice()  # before torchrun starts: nothing after it may fail and leave training unsupervised
     listener = Listener()  # the ranks' metrics come here (trainer/relay.py); they queue until accepted
     proc = spawn_torchrun(cfg, run_dir, args.run_id, db_url, listener.env())
@@ -49,11 +49,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .priority import yield_cpu_to_training
     from .relay_server import RelayServer
-    from .watch import supervise
+    from .watch import promote_checkpoint, supervise
 
     yield_cpu_to_training(nice)  # torchrun keeps its priority; the relay's threads, started below, do not
     engine = make_engine(db_url)
-    relay = RelayServer(engine, args.run_id, listener)
+    relay = RelayServer(engine, args.run_id, listener,
+                        on_rank_closed=lambda: promote_checkpoint(run_dir, relay.written_steps(), cfg.world_size))
     try:
         status = supervise(engine, args.run_id, run_dir, cfg, proc, stop_requested, relay)
     except Exception as exc:

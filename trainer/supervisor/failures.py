@@ -4,6 +4,8 @@ telling the rank that failed first-hand from the ranks that merely lost their pe
 from __future__ import annotations
 
 import json
+import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,3 +64,42 @@ def _parse_error_file(path: Path) -> tuple[str, str, float]:
         return str(inner), "", 0.0
     except (OSError, ValueError):
         return "unreadable error file", "", 0.0
+
+
+# An entry of torchrun's failure summary (torch.distributed.elastic's ChildFailedError).
+_SUMMARY_ENTRY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
+AGENT_SHUTDOWN = -signal.SIGTERM  # how torchrun ends the survivors of a failure: not a cause
+
+
+def signalled_ranks(run_dir: RunDir, tail_lines: int = 40) -> list[RankFailure]:
+    """Ranks a signal killed (SIGKILL from the OOM killer or a user, SIGSEGV, ...), from torchrun's own
+    failure summary: such a rank leaves no error file, and its peers' errors only say they lost it."""
+    text = tail(run_dir.torchrun_log, 400)
+    found: dict[int, RankFailure] = {}
+    for rank, local_rank, code, pid in _SUMMARY_ENTRY.findall(text):
+        exit_code = int(code)
+        if exit_code >= 0 or exit_code == AGENT_SHUTDOWN:
+            continue
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        log = run_dir.rank_log(int(local_rank))
+        found[int(rank)] = RankFailure(int(rank), f"killed by {name} (exit code {exit_code}, pid {pid})", "",
+                                       tail(log, tail_lines) if log else "")
+    return list(found.values())
+
+
+def blame(run_dir: RunDir, frozen: dict[int, float]) -> tuple[list[RankFailure], list[RankFailure]]:
+    """The ranks that caused a failure, and those that failed because of them. In order of evidence: a
+    rank the supervisor found stopped (the others timed out waiting for it; `frozen`: rank -> seconds it
+    was stopped), a rank killed by a signal, then the error files' first-hand failures."""
+    reported = read_failures(run_dir)
+    if frozen:
+        causes = [RankFailure(rank, f"stopped (state T, e.g. SIGSTOP) for {seconds:.0f} s: the other ranks waited "
+                              "for it in a collective until the process-group timeout; the supervisor killed it",
+                              "", "") for rank, seconds in sorted(frozen.items())]
+    else:
+        causes = signalled_ranks(run_dir) or root_causes(reported)
+    blamed = {f.rank for f in causes}
+    return causes, [f for f in reported if f.rank not in blamed]

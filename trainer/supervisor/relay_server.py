@@ -7,32 +7,38 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from ddpdash.db.columns import Batch
-from ddpdash.db.store import RankWriter
+from ddpdash.db.store import CLOSE_DEADLINE_S, RankWriter
 
 from ..relay import Hello, Listener, read_batch, read_hello, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
-REGISTER_DEADLINE_S = 60.0
+REGISTER_DEADLINE_S = 180.0  # a rank's registration waits out a database outage of up to this long
 
 
 class RelayServer:
     """Accepts the ranks' connections on `listener` and writes what they send for run `run_id`."""
 
-    def __init__(self, engine: Engine, run_id: int, listener: Listener) -> None:
+    def __init__(self, engine: Engine, run_id: int, listener: Listener,
+                 on_rank_closed: Callable[[], object] | None = None) -> None:
+        """`on_rank_closed` runs when a rank's connection has ended and its writer has written everything."""
         self.engine = engine
         self.run_id = run_id
         self.listener = listener
+        self.on_rank_closed = on_rank_closed
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._latest: dict[int, threading.Thread] = {}  # rank -> the handler of its newest attempt
+        self._writers: dict[int, RankWriter] = {}  # rank -> the writer of its newest attempt
+        self._complete: set[int] = set()  # ranks whose newest connection is open, or ended with a goodbye
         threading.Thread(target=self._accept, name="ddpdash-relay-accept", daemon=True).start()
 
-    def drain(self, timeout_s: float = 30.0) -> None:
+    def drain(self, timeout_s: float = CLOSE_DEADLINE_S + 30.0) -> None:
         """Wait until every connection has ended and its writer has written everything (the ranks
         have exited), then stop listening. The supervisor calls it before it records the outcome."""
         deadline = time.monotonic() + timeout_s
@@ -44,6 +50,15 @@ class RelayServer:
             log.warning("metrics relay: %d rank connection(s) still open after %.0f s",
                         sum(t.is_alive() for t in threads), timeout_s)
         self.listener.close()
+
+    def written_steps(self) -> dict[int, int]:
+        """Per rank, the last step whose metrics are in the store — while no rank's newest connection
+        ended without a goodbye; empty otherwise (a rank died with metrics unsent: what its successor
+        resumes from must not move past them)."""
+        with self._lock:
+            if self._complete != set(self._writers):
+                return {}
+            return {rank: writer.written_step for rank, writer in self._writers.items()}
 
     # ---- connections -------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -66,10 +81,19 @@ class RelayServer:
                     return
                 self._after_previous_attempt(hello.rank)
                 writer = self._writer_for(hello)
+                with self._lock:
+                    self._writers[hello.rank] = writer
+                    self._complete.add(hello.rank)
+                said_goodbye = False
                 try:
-                    _feed(conn, writer)
+                    said_goodbye = _feed(conn, writer)
                 finally:
                     writer.close(Batch([], []))  # however the connection ended, what came is written (once)
+                    with self._lock:
+                        if not said_goodbye and self._writers.get(hello.rank) is writer:
+                            self._complete.discard(hello.rank)
+                if self.on_rank_closed is not None:
+                    self.on_rank_closed()
             except Exception:
                 log.exception("metrics relay: a rank's connection failed")
 
@@ -97,14 +121,15 @@ class RelayServer:
             previous.join(60.0)
 
 
-def _feed(conn: socket.socket, writer: RankWriter) -> None:
+def _feed(conn: socket.socket, writer: RankWriter) -> bool:
     """Write each batch as it arrives: the live view is then at most a send interval behind the rank,
     and the supervisor's work follows the rank's send. A busy database holds the batch; the next one
-    (a rank sends at least once per interval) or the close writes it."""
+    (a rank sends at least once per interval) or the close writes it. True when the rank said goodbye
+    (everything it logged came), False when the connection just ended (it died)."""
     while True:
         message = recv_frame(conn)
         if message is None:  # the rank exited or died without saying goodbye: the caller writes what came
-            return
+            return False
         kind = message[0]
         if kind == "batch":
             writer.send(read_batch(message))
@@ -115,6 +140,6 @@ def _feed(conn: socket.socket, writer: RankWriter) -> None:
             except DBAPIError as exc:  # the database is busy or gone: say so, the rank carries on
                 send_frame(conn, ("failed", str(exc)))
             if kind == "close":
-                return
+                return True
         else:
             log.warning("metrics relay: ignoring a %r frame", kind)

@@ -3,13 +3,19 @@ final status (succeeded, failed with the rank and why, or stopped). Runs in the 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
+import psutil
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ddpdash.db.runs import add_event, finish_run, get_run, rank_rows, set_rank_status, update_run
@@ -18,42 +24,148 @@ from ddpdash.db.vocab import EventKind, RankStatus, RunStatus
 from ..config import RunConfig
 from ..control import descendants, terminate_run
 from ..rundir import RunDir
-from .failures import read_failures, root_causes
+from .failures import blame
 from .relay_server import RelayServer
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
 HEARTBEAT_S = 2.0
+# How long the supervisor waits out an unreachable database to record what it must (the start, the
+# outcome): training never waits for it, and the ranks' metrics are held meanwhile (db.store.RankWriter).
+OUTAGE_PATIENCE_S = 600.0
+T = TypeVar("T")
+
+
+def patiently(what: str, action: Callable[[], T], patience_s: float = OUTAGE_PATIENCE_S) -> T:
+    """`action()`, retried while the database refuses it (locked, restarting, unreachable, read-only)."""
+    deadline = time.monotonic() + patience_s
+    wait = 0.5
+    while True:
+        try:
+            return action()
+        except DBAPIError as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("could not record %s yet (%s); retrying in %.0f s", what, exc, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, 10.0)
 
 
 def supervise(engine: Engine, run_id: int, run_dir: RunDir, cfg: RunConfig, proc: subprocess.Popen[bytes],
               stop_requested: threading.Event, relay: RelayServer) -> str:
-    with Session(engine) as s, s.begin():
-        update_run(s, run_id, status=RunStatus.RUNNING, started_at=time.time(), torchrun_pid=proc.pid,
-                   supervisor_pid=os.getpid(), heartbeat_at=time.time())
-        add_event(s, run_id, EventKind.LAUNCHED, f"torchrun pid {proc.pid}, {cfg.world_size} rank(s)")
+    def record_start() -> None:
+        with Session(engine) as s, s.begin():
+            update_run(s, run_id, status=RunStatus.RUNNING, started_at=time.time(), torchrun_pid=proc.pid,
+                       supervisor_pid=os.getpid(), heartbeat_at=time.time())
+            add_event(s, run_id, EventKind.LAUNCHED, f"torchrun pid {proc.pid}, {cfg.world_size} rank(s)")
+
+    patiently("the start", record_start)
     workers: set[int] = set()
+    frozen = FrozenRanks(proc.pid, cfg.pg_timeout_s)
     last_beat = 0.0
     while proc.poll() is None:
         if stop_requested.wait(POLL_S):
             killed = terminate_run(proc.pid, sorted(workers | set(descendants(proc.pid))))
             proc.wait()
             relay.drain()  # the ranks' last metrics and statuses, before the run's own
-            return _record_stop(engine, run_id, killed)
+            return patiently("the stop", functools.partial(_record_stop, engine, run_id, killed))
         now = time.time()
         if now - last_beat >= HEARTBEAT_S or not workers:
-            current = set(descendants(proc.pid))
-            if current - workers:
-                workers |= current
-            with Session(engine) as s, s.begin():
-                update_run(s, run_id, heartbeat_at=now, worker_pids=sorted(workers))
+            workers |= set(descendants(proc.pid))
+            frozen.check(now)
+            promote_checkpoint(run_dir, relay.written_steps(), cfg.world_size)
+            _beat(engine, run_id, now, workers)
             last_beat = now
     # torchrun is gone: make sure no worker outlived it.
     leftovers = terminate_run(None, sorted(workers), wait_s=1.0)
     relay.drain()  # every rank has exited: write what they sent before judging the outcome
+    promote_checkpoint(run_dir, relay.written_steps(), cfg.world_size)
     if stop_requested.is_set():
-        return _record_stop(engine, run_id, leftovers)
-    return _record_exit(engine, run_id, run_dir, proc.returncode, leftovers)
+        return patiently("the stop", lambda: _record_stop(engine, run_id, leftovers))
+    return patiently("the outcome",
+                     lambda: _record_exit(engine, run_id, run_dir, proc.returncode, leftovers, frozen.stopped))
+
+
+class FrozenRanks:
+    """Ranks whose process is stopped (state T: SIGSTOP, a debugger's stop): the others wait for them in
+    their next collective until the process-group timeout, and torchrun cannot end a stopped process
+    with SIGTERM. A rank stopped that long is killed, so the run fails in time; a rank stopped when the
+    run fails is the one blamed (`stopped`: rank -> seconds)."""
+
+    def __init__(self, torchrun_pid: int, pg_timeout_s: float) -> None:
+        self.torchrun_pid = torchrun_pid
+        self.pg_timeout_s = pg_timeout_s
+        self.since: dict[int, float] = {}  # pid -> when first seen stopped
+        self.stopped: dict[int, float] = {}  # rank -> how long it has been stopped (or was, until killed)
+
+    def check(self, now: float) -> None:
+        for child in _ranks_of(self.torchrun_pid):
+            try:
+                is_stopped = child.status() == psutil.STATUS_STOPPED
+            except psutil.Error:
+                continue
+            rank = _rank_of(child)
+            if not is_stopped:
+                self.since.pop(child.pid, None)
+                if rank is not None:
+                    self.stopped.pop(rank, None)
+                continue
+            since = self.since.setdefault(child.pid, now)
+            if rank is not None:
+                self.stopped[rank] = now - since
+            if now - since >= self.pg_timeout_s:
+                log.warning("rank %s (pid %d) stopped for %.0f s: killing it", rank, child.pid, now - since)
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+
+
+def _ranks_of(torchrun_pid: int) -> list[psutil.Process]:
+    """torchrun's direct children: one process per rank (DataLoader workers are theirs, not torchrun's)."""
+    try:
+        return psutil.Process(torchrun_pid).children()
+    except psutil.Error:
+        return []
+
+
+def _rank_of(process: psutil.Process) -> int | None:
+    try:
+        raw = process.environ().get("RANK", "")
+    except psutil.Error:
+        return None
+    return int(raw) if raw.isdigit() else None
+
+
+_PROMOTING = threading.Lock()  # the watch loop and the relay's connection threads both promote
+
+
+def promote_checkpoint(run_dir: RunDir, written: dict[int, int], world_size: int) -> int | None:
+    """Make the newest pending checkpoint whose step every rank's stored metrics have reached the one a
+    restart resumes from (older pending ones go). Returns its step, None when none qualifies."""
+    if len(written) < world_size:
+        return None
+    reached = min(written.values())
+    with _PROMOTING:
+        ready = [(step, path) for step, path in run_dir.pending_checkpoints() if step <= reached]
+        if not ready:
+            return None
+        step, path = ready[-1]
+        try:
+            os.replace(path, run_dir.checkpoint)  # atomic: a restart reads the old or the new one, whole
+        except FileNotFoundError:
+            return None  # a restarted rank 0 cleared it: it was the failed attempt's
+        for _, older in ready[:-1]:
+            older.unlink(missing_ok=True)
+    return step
+
+
+def _beat(engine: Engine, run_id: int, now: float, workers: set[int]) -> None:
+    """The run's heartbeat and its workers' PIDs; a database that refuses it is tried again at the next
+    beat (a short outage must not end a healthy run)."""
+    try:
+        with Session(engine) as s, s.begin():
+            update_run(s, run_id, heartbeat_at=now, worker_pids=sorted(workers))
+    except DBAPIError as exc:
+        log.warning("heartbeat not recorded (%s); training goes on", exc)
 
 
 def _record_stop(engine: Engine, run_id: int, killed: list[int]) -> str:
@@ -65,7 +177,8 @@ def _record_stop(engine: Engine, run_id: int, killed: list[int]) -> str:
     return RunStatus.STOPPED
 
 
-def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftovers: list[int]) -> str:
+def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftovers: list[int],
+                 frozen: dict[int, float]) -> str:
     with Session(engine) as s:
         states = rank_rows(s, run_id)
         world = get_run(s, run_id).world_size
@@ -79,10 +192,8 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
             finish_run(s, run_id, RunStatus.SUCCEEDED, exit_code=code)
             add_event(s, run_id, EventKind.FINISHED, "all ranks finished")
             return RunStatus.SUCCEEDED
-        failures = read_failures(run_dir)
-        causes = root_causes(failures)
+        causes, others = blame(run_dir, frozen)
         ranks = [f.rank for f in causes]
-        others = [f for f in failures if f not in causes]
         error = "\n\n".join(
             f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in causes
         ) or f"torchrun exited with code {code} and no rank left an error file; see torchrun.log"
