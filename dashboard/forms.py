@@ -145,6 +145,8 @@ def backend_label(backend: str, machine: Machine) -> str:
         return f"auto ({'nccl' if machine.has_cuda else 'gloo'} here)"
     if backend == "nccl" and not (machine.has_cuda and machine.nccl):
         return "nccl (unavailable: no CUDA)"
+    if backend == "mpi" and machine.mpi_unavailable:
+        return f"mpi (unavailable: {machine.mpi_unavailable})"
     return backend
 
 

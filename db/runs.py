@@ -148,6 +148,21 @@ def add_event(s: Session, run_id: int, kind: str, message: str, *, rank: int | N
                                       detail=detail))
 
 
+@dataclass(frozen=True)
+class EventRow:
+    time: float
+    kind: str
+    rank: int | None
+    message: str
+    detail: str
+
+
+def events_of_kind(s: Session, run_id: int, kind: str) -> list[EventRow]:
+    rows = s.execute(select(RunEvent.time, RunEvent.kind, RunEvent.rank, RunEvent.message, RunEvent.detail)
+                     .where(RunEvent.run_id == run_id, RunEvent.kind == kind).order_by(RunEvent.time, RunEvent.id))
+    return [EventRow(*row) for row in rows]
+
+
 def set_rank_status(s: Session, run_id: int, rank: int, status: str) -> None:
     s.execute(update(RankState).where(RankState.run_id == run_id, RankState.rank == rank).values(status=status))
 

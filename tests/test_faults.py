@@ -403,3 +403,20 @@ def test_a_killed_rank_and_a_restart_leave_every_step_exactly_once(engine: Engin
     assert_every_step_once(engine, run_id, 400)
     with Session(engine) as s:
         assert EventKind.RESTART in events(s, run_id)["kind"].tolist()
+
+
+def test_without_error_files_the_ranks_own_failure_events_name_the_cause(engine: Engine, tmp_path: Path) -> None:
+    """An mpirun run (or a rank without @record) leaves no torchrun error file: the supervisor reads the
+    ranks' rank_failed events, first-hand failures before the peers that lost them."""
+    from ddpdash.db.runs import add_event
+    from ddpdash.trainer.rundir import RunDir
+    from ddpdash.trainer.supervisor.watch import failures_from_events
+
+    run_id = make_run(engine)
+    with Session(engine) as s, s.begin():
+        add_event(s, run_id, EventKind.RANK_FAILED, "rank 0: RuntimeError: Connection closed by peer", rank=0)
+        add_event(s, run_id, EventKind.RANK_FAILED, "rank 1: ValueError: bad batch", rank=1, detail="Traceback …")
+        add_event(s, run_id, EventKind.DESYNC, "not a failure")
+    with Session(engine) as s:
+        [cause] = failures_from_events(s, run_id, RunDir(tmp_path))
+    assert (cause.rank, cause.message, cause.traceback) == (1, "rank 1: ValueError: bad batch", "Traceback …")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+from . import mpi
 from .config import RunConfig
 from .rundir import RunDir
 
@@ -20,9 +21,19 @@ SUPERVISOR_MODULE = "ddpdash.trainer.supervisor"
 RUN_KEY_ENV = "DDPDASH_RUN_KEY"  # the run's unique key: checkpoints carry it, and only that run resumes them
 
 
-def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sys.executable) -> list[str]:
-    """The exact torchrun command for a run. The database URL travels in the environment (it may hold a
-    password, and argv is visible to every user of the machine)."""
+def rank_argv(run_dir: RunDir, run_id: int, python: str = sys.executable) -> list[str]:
+    """What every rank runs."""
+    return [python, "-m", RANK_MODULE, "--config", str(run_dir.config), "--run-id", str(run_id)]
+
+
+def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sys.executable,
+                  mpi_launcher: str | None = None) -> list[str]:
+    """The exact command that starts a run's ranks: torchrun, or for the mpi backend Open MPI's mpirun
+    (`mpi_launcher`, found on the PATH when not given). The database URL travels in the environment (it
+    may hold a password, and argv is visible to every user of the machine)."""
+    if cfg.resolved_backend == "mpi":
+        return mpi.mpirun_argv(cfg.world_size, run_dir.logs / mpi.LOG_FOLDER, rank_argv(run_dir, run_id, python),
+                               launcher=mpi_launcher or mpi.find_launcher() or "mpirun")
     return [
         python, "-m", "torch.distributed.run",
         "--nnodes", "1",
@@ -35,9 +46,7 @@ def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sy
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         "--log-dir", str(run_dir.logs),
         "--redirects", "3",
-        "-m", RANK_MODULE,
-        "--config", str(run_dir.config),
-        "--run-id", str(run_id),
+        *rank_argv(run_dir, run_id, python)[1:],  # torchrun runs `-m module …` with its own interpreter
     ]
 
 

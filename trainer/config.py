@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-Backend = Literal["auto", "nccl", "gloo"]
+from .mpi import NO_MPI_IN_TORCH
+
+Backend = Literal["auto", "nccl", "gloo", "mpi"]
 Amp = Literal["off", "bf16", "fp16"]
 Optimizer = Literal["sgd", "adam", "adamw"]
 Model = Literal["linear", "mlp", "cnn", "transformer"]
@@ -47,7 +49,8 @@ class RunConfig:
     )
     num_procs: int = _f(2, "Number of CPU processes (ranks); set from devices when GPUs are chosen.", "Devices",
                         min=1, max=1024)
-    backend: Backend = _f("auto", "Process-group backend; auto = nccl with CUDA devices, else gloo.", "Devices")
+    backend: Backend = _f("auto", "Process-group backend; auto = nccl with CUDA devices, else gloo; mpi where torch "
+                             "was built with it (ranks started by mpirun).", "Devices")
     model: Model = _f("mlp", "Model: linear (seed example), mlp/cnn (digits), transformer (text LM).", "Model")
     dataset: Dataset = _f("auto", "Data set; auto picks the model's own.", "Model")
     width: int = _f(64, "Hidden width (mlp units, cnn channels, transformer d_model).", "Model", min=1,
@@ -284,6 +287,7 @@ class Machine:
     gpus: tuple[tuple[str, float], ...] = ()  # (name, memory GiB) per CUDA index
     bf16_gpu: bool = False
     nccl: bool = False
+    mpi_unavailable: str | None = NO_MPI_IN_TORCH  # why the mpi backend cannot run here; None where it can
     memory_free_bytes: int = 0  # what the OS has available now; 0: unknown (no memory check)
 
     @property
@@ -339,6 +343,14 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
     if cfg.amp == "bf16" and cfg.uses_cuda and machine.has_cuda and not machine.bf16_gpu:
         err("amp", "these GPUs do not support bf16; use fp16")
 
+    if cfg.resolved_backend == "mpi":
+        if machine.mpi_unavailable:
+            err("backend", f"mpi is unavailable here: {machine.mpi_unavailable}")
+        if cfg.devices:
+            err("backend", "mpi runs CPU processes here; use nccl for GPUs")
+        if cfg.max_restarts:
+            err("max_restarts", "mpirun does not restart failed ranks: set it to 0 for the mpi backend")
+
     if cfg.comm_hook == "bf16" and cfg.resolved_backend != "nccl":
         err("comm_hook", "the bf16 compression hook needs CUDA and nccl; use fp16 or powersgd with gloo")
 
@@ -388,7 +400,9 @@ def detect_machine() -> Machine:
     nccl = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
     import psutil
 
-    return Machine(cpu_count=cpu, gpus=tuple(gpus), bf16_gpu=bf16, nccl=nccl,
+    from . import mpi
+
+    return Machine(cpu_count=cpu, gpus=tuple(gpus), bf16_gpu=bf16, nccl=nccl, mpi_unavailable=mpi.detect(),
                    memory_free_bytes=int(psutil.virtual_memory().available))
 
 

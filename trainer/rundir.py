@@ -21,6 +21,9 @@ from pathlib import Path
 
 from ddpdash.db.paths import runs_root
 
+from .mpi import LOG_FOLDER as MPI_LOG_FOLDER
+from .mpi import rank_log as mpi_rank_log
+
 FOLDER_PREFIX = "run-"
 
 
@@ -73,10 +76,11 @@ class RunDir:
         return sorted(self.logs.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
 
     def rank_log(self, rank: int, stream: str = "stderr") -> Path | None:
-        """The newest attempt's log of a (local) rank, stdout or stderr."""
+        """The newest attempt's log of a (local) rank, stdout or stderr: torchrun's layout, or Open MPI's
+        (`logs/mpi/1/rank.N/stderr`) for an mpi run."""
         found = sorted(self.logs.glob(f"*/attempt_*/{rank}/{stream}.log"),
                        key=lambda p: (p.stat().st_mtime, p.parent.parent.name))
-        return found[-1] if found else None
+        return found[-1] if found else mpi_rank_log(self.logs / MPI_LOG_FOLDER, rank, stream)
 
     @property
     def made_by_ddpdash(self) -> bool:

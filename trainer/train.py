@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
 
+from . import mpi
 from .commands import RUN_KEY_ENV
 from .config import RunConfig
 from .data import Data, keep_batch, load
@@ -63,6 +64,8 @@ def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
 
 def init_distributed(cfg: RunConfig) -> DistEnv:
     env = os.environ
+    if cfg.resolved_backend == "mpi" and mpi.rank_from_env(env) is not None:
+        return init_mpi(cfg)
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return DistEnv(0, 0, 1, 0, pick_device(cfg, 0), False)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -77,6 +80,15 @@ def init_distributed(cfg: RunConfig) -> DistEnv:
     prefixed = dist.PrefixStore(f"ddpdash/attempt_{attempt}", store)
     dist.init_process_group(cfg.resolved_backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, local_rank, world, attempt, device, True)
+
+
+def init_mpi(cfg: RunConfig) -> DistEnv:
+    """A rank started by mpirun: MPI itself knows the rank and the world size (no store, no restarts)."""
+    placed = mpi.rank_from_env(os.environ)
+    assert placed is not None
+    _, local_rank, _ = placed
+    dist.init_process_group("mpi", timeout=timedelta(seconds=cfg.pg_timeout_s))
+    return DistEnv(dist.get_rank(), local_rank, dist.get_world_size(), 0, pick_device(cfg, local_rank), True)
 
 
 # ---- stop signal -----------------------------------------------------------------------------

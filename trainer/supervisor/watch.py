@@ -18,13 +18,21 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from ddpdash.db.runs import add_event, finish_run, get_run, rank_rows, set_rank_status, update_run
+from ddpdash.db.runs import (
+    add_event,
+    events_of_kind,
+    finish_run,
+    get_run,
+    rank_rows,
+    set_rank_status,
+    update_run,
+)
 from ddpdash.db.vocab import EventKind, RankStatus, RunStatus
 
 from ..config import RunConfig
 from ..control import descendants, terminate_run
-from ..rundir import RunDir
-from .failures import blame
+from ..rundir import RunDir, tail
+from .failures import RankFailure, blame, root_causes
 from .relay_server import RelayServer
 
 log = logging.getLogger(__name__)
@@ -193,6 +201,8 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
             add_event(s, run_id, EventKind.FINISHED, "all ranks finished")
             return RunStatus.SUCCEEDED
         causes, others = blame(run_dir, frozen)
+        if not causes:  # no error file (mpirun, or a rank without @record): what the ranks said themselves
+            causes = failures_from_events(s, run_id, run_dir)
         ranks = [f.rank for f in causes]
         error = "\n\n".join(
             f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in causes
@@ -207,6 +217,17 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
             summary += f"; killed {len(leftovers)} leftover worker(s)"
         add_event(s, run_id, EventKind.FAILED, summary, rank=ranks[0] if ranks else None, detail=error)
     return RunStatus.FAILED
+
+
+def failures_from_events(s: Session, run_id: int, run_dir: RunDir) -> list[RankFailure]:
+    """The ranks' own `rank_failed` events (message and traceback), first-hand failures first."""
+    reported = []
+    for e in events_of_kind(s, run_id, EventKind.RANK_FAILED):
+        if e.rank is None:
+            continue
+        log = run_dir.rank_log(e.rank)
+        reported.append(RankFailure(e.rank, e.message, e.detail, tail(log, 40) if log else "", e.time))
+    return root_causes(reported)
 
 
 def _close_ranks(s: Session, run_id: int, status: str) -> None:
