@@ -38,14 +38,17 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--out", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per rank, nccl")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     data = digits()
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, args.width),
-                          nn.ReLU(), nn.Linear(args.width, 10))
-    ddp = DDP(model)
+                          nn.ReLU(), nn.Linear(args.width, 10)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05 * world, momentum=0.9)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0, drop_last=True)
     loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, drop_last=True)
@@ -53,6 +56,7 @@ def main() -> None:
     while step < args.steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = nn.functional.cross_entropy(ddp(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -61,10 +65,14 @@ def main() -> None:
             if step == 1:
                 stamps["first_step"] = time.time()
             if step == args.warmup:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 stamps["warm"] = time.time()
             if step >= args.steps:
                 break
         epoch += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     stamps["end"] = time.time()
     if rank == 0:
         samples = (args.steps - args.warmup) * args.batch_size * world
