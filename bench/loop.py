@@ -40,8 +40,9 @@ from ddpdash.trainer.config import RunConfig
 from ddpdash.trainer.data import keep_batch, load
 from ddpdash.trainer.metrics import SEND_INTERVAL_S
 from ddpdash.trainer.models import build
+from ddpdash.trainer.registry import RankPlace, open_logger
 from ddpdash.trainer.rundir import RunDir
-from ddpdash.trainer.train import DistEnv, open_logger
+from ddpdash.trainer.train import DistEnv
 
 
 class Sink:
@@ -58,7 +59,8 @@ def make_sink(kind: str, workdir: Path, rank: int, run_id: int | None, db_url: s
         # serves one, straight to the database otherwise (a hand-started run).
         env = DistEnv(rank, rank, dist.get_world_size() if dist.is_initialized() else 1, 0, torch.device("cpu"),
                       dist.is_initialized())
-        logger, _, _ = open_logger(run_id, db_url, RunConfig(), env, RunDir(workdir), None)
+        place = RankPlace(env.rank, str(env.device), env.attempt, env.world_size)
+        logger, _, _ = open_logger(run_id, db_url, "bench", RunConfig().to_json(), place, RunDir(workdir), None)
         return logger  # type: ignore[return-value]
     if kind == "mlflow":
         import mlflow

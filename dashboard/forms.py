@@ -15,15 +15,17 @@ from ddpdash.trainer.config import (
     ConfigInvalid,
     Machine,
     RunConfig,
-    config_fields,
+    check_script,
     field_choices,
     field_kind,
+    settable_fields,
     validate,
 )
 from ddpdash.trainer.memory import estimate
 
 KEY_PREFIX = "cfg_"
-SECTION_ORDER = ("Run", "Devices", "Model", "Training", "Advanced DDP")
+SECTION_ORDER = ("Run", "Devices", "Your script", "Model", "Training", "Advanced DDP")
+MODEL_SECTION_FIELDS = {"model", "dataset", "width", "depth", "seq_len", "num_heads", "num_samples"}
 
 # Size presets per model: width/depth/sequence settings a user picks instead of typing them.
 PRESETS: dict[str, dict[str, dict[str, int]]] = {
@@ -65,7 +67,7 @@ def field_specs() -> tuple[FieldSpec, ...]:
     specs = [
         FieldSpec(f.name, f.name.replace("_", " ").capitalize(), field_kind(f), f.metadata["help"],
                   f.metadata["section"], field_choices(f), getattr(default, f.name))
-        for f in config_fields()
+        for f in settable_fields()
     ]
     return tuple(sorted(specs, key=lambda s: SECTION_ORDER.index(s.section)))
 
@@ -79,8 +81,10 @@ def sections() -> dict[str, list[FieldSpec]]:
 
 def widget_state(cfg: RunConfig) -> dict[str, Any]:
     """Session-state values that pre-fill the form with `cfg` (used for defaults and Clone)."""
-    data = cfg.to_dict()
-    return {KEY_PREFIX + name: (list(v) if isinstance(v, list) else v) for name, v in data.items()}
+    data = {f.name: cfg.to_dict()[f.name] for f in settable_fields()}
+    state = {KEY_PREFIX + name: (list(v) if isinstance(v, list) else v) for name, v in data.items()}
+    state[KEY_PREFIX + "script_args"] = "\n".join(cfg.script_args)  # a text area: one argument per line
+    return state
 
 
 def values_from_state(state: Any) -> dict[str, Any]:
@@ -90,6 +94,8 @@ def values_from_state(state: Any) -> dict[str, Any]:
             value = state[spec.key]
             if spec.kind == "int" and isinstance(value, float) and value.is_integer():
                 value = int(value)
+            if spec.kind == "str_list" and isinstance(value, str):
+                value = [line for line in value.splitlines() if line.strip()]
             out[spec.name] = value
     return out
 
@@ -111,12 +117,15 @@ def check_form(values: dict[str, Any], machine: Machine) -> FormResult:
     except ConfigInvalid as exc:
         return FormResult(None, exc.by_field())
     errors: dict[str, list[str]] = {}
-    for e in validate(cfg, machine):
+    # A module is looked up (in a child process) at Launch, not at every keystroke.
+    for e in [*validate(cfg, machine), *check_script(cfg, find_module=False)]:
         errors.setdefault(e.field, []).append(e.message)
     return FormResult(cfg, errors)
 
 
 def visible(spec: FieldSpec, values: dict[str, Any]) -> bool:
+    if spec.name in MODEL_SECTION_FIELDS and (values.get("script") or values.get("module")):
+        return False  # the script brings its own model
     model = values.get("model", RunConfig.model)
     if spec.name in SIZE_FIELDS:
         if spec.name == "num_samples":

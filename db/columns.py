@@ -50,6 +50,7 @@ class Batch(NamedTuple):
     events: list[Event]
     status: str | None = None  # db.vocab.RankStatus, when it changed
     total_steps: int | None = None  # the run's step count, when rank 0 knows it
+    replace_from: int | None = None  # a restarted attempt's first step: the rank's points from it on are replaced
 
 
 def merge_batches(batches: Sequence[Batch]) -> Batch:
@@ -57,7 +58,8 @@ def merge_batches(batches: Sequence[Batch]) -> Batch:
     newest status and step count."""
     return Batch([g for b in batches for g in b.groups], [e for b in batches for e in b.events],
                  next((b.status for b in reversed(batches) if b.status), None),
-                 next((b.total_steps for b in reversed(batches) if b.total_steps is not None), None))
+                 next((b.total_steps for b in reversed(batches) if b.total_steps is not None), None),
+                 next((b.replace_from for b in batches if b.replace_from is not None), None))
 
 
 def group_logs(logs: Sequence[LogRow]) -> list[Group]:

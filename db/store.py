@@ -124,14 +124,20 @@ def register_rank(s: Session, run_id: int, rank: int, *, device: str, attempt: i
         s.execute(insert(RankState), [{"run_id": run_id, "rank": rank, "step": 0, **state}])
     if resume_after_step is None:
         return RankCursor(run_id, rank)
-    discard_after(s, run_id, rank, resume_after_step)
+    return discard_after_step(s, RankCursor(run_id, rank), resume_after_step)
+
+
+def discard_after_step(s: Session, cursor: RankCursor, step: int) -> RankCursor:
+    """Drop the rank's points after `step` and rebuild its rollups from the rest: the cursor then fits."""
+    run_id, rank = cursor.run_id, cursor.rank
+    discard_after(s, run_id, rank, step)
     s.execute(delete(MetricRollup).where(MetricRollup.run_id == run_id, MetricRollup.rank == rank))
     points = read_points(s, run_id, rank=rank)
     rows, _, still_open = roll_up_series(run_id, rank, [
         ((name, ), metric.step, metric.value[np.newaxis, :], metric.time) for name, metric in points.per_metric()
     ], {})
     execute_many(s.connection(), _INSERT_ROLLUPS, ROLLUP_COLUMNS, rows)
-    return RankCursor(run_id, rank, still_open, resume_after_step)
+    return RankCursor(run_id, rank, still_open, step, cursor.status, cursor.total_steps)
 
 
 # ---- rollups ---------------------------------------------------------------------------------
@@ -243,8 +249,11 @@ class RankWriter:
         if self._failing_since is not None and time.time() - self._failing_since > OUTAGE_EVENT_S:
             merged = merge_batches([merged, Batch([], [self._outage_event()])])
         try:
-            with self.engine.begin() as conn:
-                self._cursor = write_batch(conn, self._cursor, merged, time.time())
+            with Session(self.engine) as s, s.begin():
+                cursor = self._cursor
+                if merged.replace_from is not None:  # a restarted attempt logs these steps again
+                    cursor = discard_after_step(s, cursor, merged.replace_from - 1)
+                self._cursor = write_batch(s.connection(), cursor, merged, time.time())
         except DBAPIError:
             self._failing_since = self._failing_since or time.time()
             self._trim_held()

@@ -1,6 +1,7 @@
 """The `ddpdash` command line (the `ddpdash` console script): thin over process control and the queries.
 
     ddpdash launch --num-procs 2 --model mlp --max-steps 200 --wait
+    ddpdash launch --script train.py --num-procs 2 -- --epochs 3 --lr 0.1
     ddpdash runs | show RUN | stop RUN | logs RUN [--rank N] [--follow] | export RUN --format csv|json
     ddpdash ui [--port 8501] [--address 127.0.0.1]
 
@@ -27,11 +28,11 @@ from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.config import (
     ConfigInvalid,
     RunConfig,
-    config_fields,
     detect_machine,
     field_choices,
     field_kind,
     read_settings,
+    settable_fields,
 )
 from ddpdash.trainer.control import LaunchError, StopError
 
@@ -53,7 +54,7 @@ def _int_list(text: str) -> list[int]:
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("run settings (override --config; defaults in brackets)")
     default = RunConfig()
-    for f in config_fields():
+    for f in flag_fields():
         flag = "--" + f.name.replace("_", "-")
         kind = field_kind(f)
         help_text = f"{f.metadata['help']} [{getattr(default, f.name)!r}]".replace("%", "%%")
@@ -68,9 +69,16 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
             group.add_argument(flag, dest=f.name, type=typ, default=None, help=help_text)
 
 
+def flag_fields() -> list[Any]:
+    """The settings that are flags: all a user sets, but a script's own arguments (they follow `--`)."""
+    return [f for f in settable_fields() if field_kind(f) != "str_list"]
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     base = read_settings(Path(args.config)) if args.config else {}
-    overrides = {f.name: getattr(args, f.name) for f in config_fields() if getattr(args, f.name) is not None}
+    overrides = {f.name: getattr(args, f.name) for f in flag_fields() if getattr(args, f.name) is not None}
+    if args.script_args:
+        overrides["script_args"] = list(args.script_args)
     return RunConfig.from_dict({**base, **overrides})
 
 
@@ -153,8 +161,15 @@ def cmd_runs(engine: Engine, args: argparse.Namespace) -> int:
     print(f"{'id':>5}  {'status':<10} {'ranks':>5}  {'model':<12} {'started':<19}  name")
     for r in runs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at or r.created_at))
-        print(f"{r.id:>5}  {r.status:<10} {r.world_size:>5}  {r.config.get('model', '?'):<12} {started:<19}  {r.name}")
+        print(f"{r.id:>5}  {r.status:<10} {r.world_size:>5}  {_what(r.config):<12} {started:<19}  {r.name}")
     return 0
+
+
+def _what(config: dict[str, Any]) -> str:
+    try:
+        return RunConfig.from_dict(config).what
+    except ConfigInvalid:
+        return str(config.get("model", "?"))
 
 
 def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
@@ -267,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--config", help="a JSON file of run settings; flags override it")
     launch.add_argument("--wait", action="store_true", help="show progress and exit with the run's outcome")
     add_config_flags(launch)
+    launch.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARG",
+                        help="your script's own arguments, after -- (with --script or --module)")
 
     runs = sub.add_parser("runs", help="list runs")
     runs.add_argument("--limit", type=int, default=50)

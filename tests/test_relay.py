@@ -115,7 +115,7 @@ def test_heartbeat_is_when_the_supervisor_last_heard_from_the_rank(
     host, port = server.listener.address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
     send_frame(sock, ("hello", server.listener.token, 0, "cpu", 0, None, 4242, "node-a"))
-    send_frame(sock, ("batch", pack(group_logs([(1, time.time(), {"loss": 1.0})])), [], None, None))
+    send_frame(sock, ("batch", pack(group_logs([(1, time.time(), {"loss": 1.0})])), [], None, None, None))
     wait_for(lambda: _points(engine, run_id) == 1, 10, every=0.02)
     with Session(engine) as s:
         heard = rank_states(s, run_id).iloc[0]["heartbeat_at"]

@@ -8,11 +8,13 @@ it. Nothing here starts a process (trainer/control.py does) or touches the datab
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 from . import mpi
-from .config import RunConfig
+from .config import RunConfig, settable_fields
 from .rundir import RunDir
 
 SHUTDOWN_TIMEOUT_S = 4  # torchrun's grace for workers after SIGTERM before it SIGKILLs them
@@ -21,8 +23,13 @@ SUPERVISOR_MODULE = "ddpdash.trainer.supervisor"
 RUN_KEY_ENV = "DDPDASH_RUN_KEY"  # the run's unique key: checkpoints carry it, and only that run resumes them
 
 
-def rank_argv(run_dir: RunDir, run_id: int, python: str = sys.executable) -> list[str]:
-    """What every rank runs."""
+def rank_argv(run_dir: RunDir, run_id: int, python: str = sys.executable, cfg: RunConfig | None = None) -> list[str]:
+    """What every rank runs: ddpdash's trainer on the run's config, or the user's own script (or module)
+    with its own arguments (its run id and settings then travel in the environment: script_env)."""
+    if cfg is not None and cfg.module:
+        return [python, "-m", cfg.module, *cfg.script_args]
+    if cfg is not None and cfg.script:
+        return [python, str(Path(cfg.script).expanduser()), *cfg.script_args]
     return [python, "-m", RANK_MODULE, "--config", str(run_dir.config), "--run-id", str(run_id)]
 
 
@@ -31,8 +38,9 @@ def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sy
     """The exact command that starts a run's ranks: torchrun, or for the mpi backend Open MPI's mpirun
     (`mpi_launcher`, found on the PATH when not given). The database URL travels in the environment (it
     may hold a password, and argv is visible to every user of the machine)."""
+    ranks = rank_argv(run_dir, run_id, python, cfg)
     if cfg.resolved_backend == "mpi":
-        return mpi.mpirun_argv(cfg.world_size, run_dir.logs / mpi.LOG_FOLDER, rank_argv(run_dir, run_id, python),
+        return mpi.mpirun_argv(cfg.world_size, run_dir.logs / mpi.LOG_FOLDER, ranks,
                                launcher=mpi_launcher or mpi.find_launcher() or "mpirun")
     return [
         python, "-m", "torch.distributed.run",
@@ -46,15 +54,17 @@ def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sy
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         "--log-dir", str(run_dir.logs),
         "--redirects", "3",
-        *rank_argv(run_dir, run_id, python)[1:],  # torchrun runs `-m module …` with its own interpreter
+        *ranks[1:],  # torchrun runs the script (or `-m module`) with its own interpreter
     ]
 
 
 def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None,
-                 run_key: str | None = None) -> dict[str, str]:
+                 run_key: str | None = None, run_id: int | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     if run_key:
         env[RUN_KEY_ENV] = run_key
+    if cfg.uses_script and run_id is not None:
+        env.update(script_env(cfg, run_id))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # One thread per rank's share of the cores: more oversubscribes the CPU and slows every rank.
     env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.world_size, 1)))
@@ -65,18 +75,31 @@ def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None
     return env
 
 
+def script_env(cfg: RunConfig, run_id: int) -> dict[str, str]:
+    """What a user's script learns of its run: the id (ddpdash.log() writes to it), and the form's settings
+    — as JSON for ddpdash.init(), and one variable each for a script that does not import ddpdash."""
+    chosen = {"backend": cfg.resolved_backend, "batch_size": cfg.batch_size, "amp": cfg.amp, "lr": cfg.lr,
+              "effective_lr": cfg.effective_lr, "max_steps": cfg.max_steps, "num_epochs": cfg.num_epochs,
+              "seed": cfg.seed}
+    env = {"DDPDASH_RUN_ID": str(run_id), "DDPDASH_SETTINGS": json.dumps(chosen)}
+    env.update({f"DDPDASH_{name.upper()}": str(value) for name, value in chosen.items()})
+    return env
+
+
 def supervisor_argv(run_id: int, run_dir: RunDir, python: str = sys.executable) -> list[str]:
     return [python, "-m", SUPERVISOR_MODULE, "--run-id", str(run_id), "--run-dir", str(run_dir.path)]
 
 
 def cli_command(cfg: RunConfig) -> list[str]:
-    """The `ddpdash launch` command that starts the same run (flags only where they differ from defaults)."""
+    """The `ddpdash launch` command that starts the same run (flags only where they differ from defaults;
+    a script's own arguments after `--`)."""
     default = RunConfig().to_dict()
     argv = ["ddpdash", "launch"]
+    settable = {f.name for f in settable_fields()}
     for name, value in cfg.to_dict().items():
         if name == "num_procs" and cfg.devices:
             continue
-        if value == default[name]:
+        if value == default[name] or name not in settable or name == "script_args":
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -85,4 +108,4 @@ def cli_command(cfg: RunConfig) -> list[str]:
             argv += [flag, ",".join(str(v) for v in value)]
         else:
             argv += [flag, str(value)]
-    return argv
+    return [*argv, "--", *cfg.script_args] if cfg.script_args else argv

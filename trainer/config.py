@@ -87,6 +87,15 @@ class RunConfig:
                            min=10, max=86_400)
     memory_check: bool = _f(True, "Refuse a run whose memory estimate exceeds what this machine (or GPU) has free.",
                             "Advanced DDP")
+    script: str = _f("", "Your own torchrun script (a .py file) instead of a built-in model; it logs with "
+                         "ddpdash.log().", "Your script")
+    module: str = _f("", "…or your module, run as python -m MODULE (e.g. mypkg.train).", "Your script")
+    script_args: tuple[str, ...] = _f((), "Your script's arguments, one per line (never a shell string).",
+                                      "Your script", list=True)
+    workdir: str = _f("", "Your script's working directory (default: the script's folder, or here for -m).",
+                      "Your script")
+    script_sha256: str = _f("", "The script's content hash, recorded at launch: runs of different code tell apart.",
+                            "Your script", derived=True)
 
     def __post_init__(self) -> None:
         # Devices decide the world size when GPUs are chosen: one source, no second count to agree.
@@ -101,6 +110,17 @@ class RunConfig:
     @property
     def uses_cuda(self) -> bool:
         return bool(self.devices)
+
+    @property
+    def uses_script(self) -> bool:
+        return bool(self.script or self.module)
+
+    @property
+    def what(self) -> str:
+        """What the run trains, in a word: the built-in model, or the user's script or module."""
+        if self.module:
+            return f"-m {self.module}"
+        return Path(self.script).name if self.script else self.model
 
     @property
     def resolved_backend(self) -> str:
@@ -124,6 +144,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["devices"] = list(self.devices)
+        out["script_args"] = list(self.script_args)
         return out
 
     def to_json(self) -> str:
@@ -200,18 +221,23 @@ def config_fields() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(RunConfig))
 
 
+def settable_fields() -> list[dataclasses.Field[Any]]:
+    """The fields a user sets (form, CLI flags); derived ones (a script's hash) are recorded by the launch."""
+    return [f for f in config_fields() if not f.metadata.get("derived")]
+
+
 @functools.cache
 def _hints() -> dict[str, Any]:
     return typing.get_type_hints(RunConfig)  # evaluates every annotation: once per process is enough
 
 
 def field_kind(f: dataclasses.Field[Any]) -> str:
-    """One of: bool, int, float, str, choice, int_list."""
+    """One of: bool, int, float, str, choice, int_list, str_list."""
     hint = _hints()[f.name]
     if get_origin(hint) is Literal:
         return "choice"
     if get_origin(hint) is tuple:
-        return "int_list"
+        return "str_list" if get_args(hint)[0] is str else "int_list"
     return {bool: "bool", int: "int", float: "float", str: "str"}[hint]
 
 
@@ -246,6 +272,12 @@ def coerce_field(f: dataclasses.Field[Any], value: Any) -> Any:
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
         return value
+    if kind == "str_list":
+        if not isinstance(value, list | tuple) or any(not isinstance(v, str) for v in value):
+            raise ValueError(f"must be a list of text arguments, got {value!r}")
+        if any("\x00" in v for v in value):
+            raise ValueError("must not contain NUL bytes")
+        return tuple(value)
     if kind == "int_list":
         if not isinstance(value, list | tuple) or any(
             isinstance(v, bool) or not isinstance(v, int) for v in value
@@ -362,7 +394,13 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         err("max_steps", "and num_epochs are both 0: set at least one so the run can end")
     if cfg.lr <= 0 and math.isfinite(cfg.lr):
         err("lr", f"must be > 0, got {cfg.lr}")
-    if cfg.memory_check and not errors:
+    if cfg.script and cfg.module:
+        err("module", "and script are both set: choose one (a file, or a module run with -m)")
+    if cfg.script_args and not cfg.uses_script:
+        err("script_args", "are for your own script: set script (or module) too")
+    if cfg.module and not all(part.isidentifier() for part in cfg.module.split(".")):
+        err("module", f"must be a dotted module name like mypkg.train, got {cfg.module!r}")
+    if cfg.memory_check and not errors and not cfg.uses_script:  # a script's model is its own: no estimate
         why = memory_problem(cfg, machine)
         if why:
             err("memory_check", f"refuses this run: it {why}. Make it smaller, or turn memory_check off "
@@ -406,3 +444,52 @@ def detect_machine() -> Machine:
                    memory_free_bytes=int(psutil.virtual_memory().available))
 
 
+
+
+# ---- your own script: checks that look at the file system ---------------------------------------------
+def script_workdir(cfg: RunConfig) -> Path:
+    if cfg.workdir:
+        return Path(cfg.workdir).expanduser()
+    return Path(cfg.script).expanduser().resolve().parent if cfg.script else Path.cwd()
+
+
+def check_script(cfg: RunConfig, find_module: bool = True) -> list[ConfigError]:
+    """Before a script run is launched: the file exists and can be read, the working directory exists,
+    `-m module` can be found from it (looked up in a child process with a time limit: finding a
+    package runs its __init__, which is user code). Each problem names its field."""
+    errors: list[ConfigError] = []
+    if not cfg.uses_script:
+        return errors
+    workdir = script_workdir(cfg)
+    if cfg.workdir and not workdir.is_dir():
+        errors.append(ConfigError("workdir", f"{cfg.workdir} is not a folder"))
+    if cfg.script:
+        path = Path(cfg.script).expanduser()
+        if not path.is_absolute() and cfg.workdir:
+            path = workdir / path
+        if not path.is_file():
+            errors.append(ConfigError("script", f"{cfg.script} is not a file"))
+        elif not os.access(path, os.R_OK):
+            errors.append(ConfigError("script", f"{cfg.script} cannot be read"))
+    if cfg.module and find_module and not errors:
+        found = module_origin(cfg.module, workdir)
+        if found is None:
+            errors.append(ConfigError("module", f"{cfg.module} cannot be found from {workdir}"))
+    return errors
+
+
+def module_origin(module: str, workdir: Path, timeout_s: float = 30.0) -> str | None:
+    """The file `python -m module` would run, from `workdir`, found in a child process; None if none."""
+    import subprocess
+    import sys
+
+    probe = ("import importlib.util, sys\n"
+             "spec = importlib.util.find_spec(sys.argv[1])\n"
+             "print(spec.origin if spec and spec.origin else '')")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe, module], cwd=workdir, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    origin = out.stdout.strip()
+    return origin if out.returncode == 0 and origin else None

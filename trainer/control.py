@@ -12,6 +12,7 @@ to start torchrun).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -30,7 +31,7 @@ from ddpdash.db.paths import default_db_url
 from ddpdash.db.vocab import EventKind, RunStatus
 
 from .commands import SHUTDOWN_TIMEOUT_S, SUPERVISOR_MODULE, supervisor_argv, torchrun_argv, torchrun_env
-from .config import Machine, RunConfig, check
+from .config import ConfigInvalid, Machine, RunConfig, check, check_script, module_origin, script_workdir
 from .rundir import RunDir, new_run_dir
 from .supervisor.priority import PriorityError, supervisor_nice
 
@@ -69,6 +70,7 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     from ddpdash.db.runs import create_run, finish_run, update_run
 
     check(cfg, machine)  # raises ConfigInvalid before anything is written
+    cfg = with_script_hash(check_scripts(cfg))
     try:
         supervisor_nice()
     except PriorityError as exc:
@@ -94,6 +96,29 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     return run_id
 
 
+def check_scripts(cfg: RunConfig) -> RunConfig:
+    errors = check_script(cfg)
+    if errors:
+        raise ConfigInvalid(errors)
+    return cfg
+
+
+def with_script_hash(cfg: RunConfig) -> RunConfig:
+    """The config as stored: a script run carries its code's content hash (two runs of different code are
+    told apart on Compare)."""
+    if not cfg.uses_script:
+        return cfg
+    path = Path(cfg.script).expanduser() if cfg.script else Path(module_origin(cfg.module, script_workdir(cfg)) or "")
+    if cfg.script and not path.is_absolute():
+        path = script_workdir(cfg) / path if cfg.workdir else path.resolve()
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return cfg
+    name = path.stem if cfg.name == RunConfig().name else cfg.name  # a script run is named after its script
+    return cfg.replace(script=str(path) if cfg.script else "", script_sha256=digest, name=name)
+
+
 def _spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as out:
         return subprocess.Popen(
@@ -109,7 +134,8 @@ def spawn_torchrun(cfg: RunConfig, run_dir: RunDir, run_id: int, db_url: str,
     with open(run_dir.torchrun_log, "ab") as out:
         return subprocess.Popen(
             torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env={**torchrun_env(cfg, db_url), **relay_env}, cwd=run_dir.path,
+            env={**torchrun_env(cfg, db_url, run_id=run_id), **relay_env},
+            cwd=script_workdir(cfg) if cfg.uses_script else run_dir.path,
         )
 
 

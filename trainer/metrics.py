@@ -41,8 +41,12 @@ class Sender(Protocol):
 class RankLogger:
     """One rank's metrics and events. Never raises into, or blocks, the training step."""
 
-    def __init__(self, sender: Sender, rank: int, *, send_interval_s: float = SEND_INTERVAL_S) -> None:
+    def __init__(self, sender: Sender, rank: int, *, send_interval_s: float = SEND_INTERVAL_S,
+                 replaces_steps: bool = False) -> None:
+        """`replaces_steps`: this is a restarted attempt that does not know its checkpoint's step (a user's
+        script): its first logged step and those after it replace what the failed attempt stored."""
         self.sender = sender
+        self._replace_pending = replaces_steps
         self.rank = rank
         self.send_interval_s = send_interval_s
         self._dropped = 0
@@ -112,7 +116,10 @@ class RankLogger:
 
     def _take(self) -> Batch:
         logs, events = _drain(self._logs), _drain(self._events)
-        return Batch(group_logs(logs), events, self._status, self._total)
+        replace_from = None
+        if self._replace_pending and logs:
+            replace_from, self._replace_pending = min(row[0] for row in logs), False
+        return Batch(group_logs(logs), events, self._status, self._total, replace_from)
 
 
 def _drain(queue: collections.deque) -> list:  # type: ignore[type-arg]
@@ -123,9 +130,10 @@ def _drain(queue: collections.deque) -> list:  # type: ignore[type-arg]
 
 
 def direct_logger(engine: Engine, run_id: int, rank: int, *, device: str = "cpu", attempt: int = 0,
-                  resume_after_step: int | None = None, send_interval_s: float = SEND_INTERVAL_S) -> RankLogger:
+                  resume_after_step: int | None = None, send_interval_s: float = SEND_INTERVAL_S,
+                  replaces_steps: bool = False) -> RankLogger:
     """A logger that writes the store itself (ranks started by hand; tests and benchmarks)."""
     from ddpdash.db.store import RankWriter
 
     writer = RankWriter(engine, run_id, rank, device=device, attempt=attempt, resume_after_step=resume_after_step)
-    return RankLogger(writer, rank, send_interval_s=send_interval_s)
+    return RankLogger(writer, rank, send_interval_s=send_interval_s, replaces_steps=replaces_steps)

@@ -11,7 +11,7 @@ This module is light on purpose (standard library only): every rank imports it; 
 it for the frames and the listening socket.
 Frames: 4-byte big-endian length, then `marshal` of a tuple. The first frame is
 ("hello", token, rank, device, attempt, resume_after_step, pid, host); then ("batch", groups, events,
-status, total_steps) at least once per interval (the heartbeat), the steps as packed columns
+status, total_steps, replace_from) at least once per interval (the heartbeat), the steps as packed columns
 (db/columns.py); ("flush",) and ("close",) are answered with ("ok",) once written, or ("failed", why).
 marshal cannot run code; the token keeps other local users out.
 """
@@ -74,13 +74,14 @@ def read_hello(frame: tuple[Any, ...] | None, token: str) -> Hello | None:
 
 
 def batch_frame(batch: Batch) -> tuple[Any, ...]:
-    return ("batch", pack(batch.groups), [tuple(e) for e in batch.events], batch.status, batch.total_steps)
+    return ("batch", pack(batch.groups), [tuple(e) for e in batch.events], batch.status, batch.total_steps,
+            batch.replace_from)
 
 
 def read_batch(frame: tuple[Any, ...]) -> Batch:
     """A batch frame's contents, checked (ValueError for columns that disagree in length)."""
-    _, groups, events, status, total = frame
-    return Batch(unpack(groups), [Event(*e) for e in events], status, total)
+    _, groups, events, status, total, replace_from = frame
+    return Batch(unpack(groups), [Event(*e) for e in events], status, total, replace_from)
 
 
 def send_frame(sock: socket.socket, message: tuple[Any, ...]) -> None:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hashlib
 import logging
 import math
 import os
 import signal
-import socket
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,16 +24,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
+from ddpdash.db.vocab import EventKind, Metric, RankStatus
 
 from . import mpi
-from .commands import RUN_KEY_ENV
 from .config import RunConfig
 from .data import Data, keep_batch, load
 from .faults import Fault, InjectedFault, parse_faults
-from .metrics import RankLogger, direct_logger
+from .metrics import RankLogger
 from .models import build
-from .relay import Hello, RelaySender, relay_from_env, supervisor_gone
+from .registry import RankPlace, open_logger, record_outcome_if_unsupervised, run_key
 from .rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -421,77 +417,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def open_logger(run_id: int | None, db_url: str | None, cfg: RunConfig, env: DistEnv, run_dir: RunDir,
-                resume_after_step: int | None, key: str = "") -> tuple[RankLogger, int, Any]:
-    """The rank's metrics logger, its run id, and the engine when the rank writes the store itself.
-
-    Ranks the supervisor launched (`run_id` given, the relay in the environment) relay their metrics
-    to it and never import SQLAlchemy; ranks started by hand, or whose supervisor cannot be reached,
-    write the store directly (registering the run when `run_id` is None)."""
-    hello = Hello(env.rank, str(env.device), env.attempt, resume_after_step, os.getpid(), socket.gethostname())
-    relay = relay_from_env()
-    if relay is not None and run_id is not None:
-        launched_run = run_id
-
-        def write_directly() -> Any:  # should the supervisor die: the rank keeps its metrics (db.store.RankWriter)
-            from ddpdash.db.engine import make_engine
-            from ddpdash.db.store import RankWriter
-
-            return RankWriter(make_engine(db_url), launched_run, env.rank, device=hello.device, attempt=env.attempt)
-
-        try:
-            return RankLogger(RelaySender(*relay, hello, fallback=write_directly), env.rank), run_id, None
-        except OSError as exc:
-            log.warning("metrics relay at %s unreachable (%s): writing to the database directly", relay[0], exc)
-    if run_id is not None:
-        from ddpdash.db.engine import make_engine  # the launcher migrated the database already
-
-        engine = make_engine(db_url)
-    else:
-        from ddpdash.db.migrate import open_store  # Alembic: only a hand-started run may have to create the schema
-
-        engine = open_store(db_url)
-        run_id = register_run(engine, cfg, run_dir, env.world_size, key or run_key(run_dir))
-    logger = direct_logger(engine, run_id, env.rank, device=hello.device, attempt=env.attempt,
-                           resume_after_step=resume_after_step)
-    return logger, run_id, engine
-
-
-def run_key(run_dir: RunDir) -> str:
-    """The run's key: the launcher's (in the environment), or, for a hand-started torchrun, one per
-    rendezvous and config folder — every node of a job shares both (README), so all ranks agree, and a
-    restarted attempt keeps it."""
-    launched = os.environ.get(RUN_KEY_ENV)
-    if launched:
-        return launched
-    rendezvous = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4()}"
-    folder = hashlib.sha1(str(run_dir.path.resolve()).encode()).hexdigest()[:16]
-    return f"{rendezvous[:47]}:{folder}"
-
-
-def register_run(engine: Any, cfg: RunConfig, run_dir: RunDir, world_size: int, key: str) -> int:
-    """A hand-started torchrun registers one run per rendezvous: every rank finds or creates the same row."""
-    from sqlalchemy.exc import IntegrityError
-    from sqlalchemy.orm import Session
-
-    from ddpdash.db.runs import create_run, find_run_by_key, update_run
-
-    for _ in range(50):
-        with Session(engine) as s, s.begin():
-            found = find_run_by_key(s, key)
-            if found is not None:
-                return found
-        try:
-            with Session(engine) as s, s.begin():
-                run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=world_size,
-                                    run_dir=str(run_dir.path), host=socket.gethostname(), status=RunStatus.RUNNING)
-                update_run(s, run_id, started_at=time.time())
-                return run_id
-        except IntegrityError:
-            continue  # another rank registered it first
-    raise RuntimeError(f"could not register run {key}")
-
-
 @record
 def main(argv: list[str] | None = None) -> int:
     rank_label = os.environ.get("RANK", "0")
@@ -510,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0 and env.attempt > 0:
         for _, stale in run_dir.pending_checkpoints():  # the failed attempt's: never to be promoted now
             stale.unlink(missing_ok=True)
-    logger, run_id, engine = open_logger(args.run_id, args.db_url, cfg, env, run_dir,
+    where = RankPlace(env.rank, str(env.device), env.attempt, env.world_size)
+    logger, run_id, engine = open_logger(args.run_id, args.db_url, cfg.name, cfg.to_json(), where, run_dir,
                                          resume_step if resuming else None, key)
     if env.rank == 0:
         if resuming:
@@ -534,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logger.close(status=status)
         if env.rank == 0:
-            _record_outcome_if_unsupervised(logger, engine, run_id, status, supervised)
+            record_outcome_if_unsupervised(logger, engine, run_id, status, supervised)
         gc.collect()  # release DDP's buffers before tearing the group down: avoids SIGABRT at exit (NOTES)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -542,28 +468,3 @@ def main(argv: list[str] | None = None) -> int:
     if any(f.kind == "abort-exit" and f.rank == env.rank for f in faults):
         os.abort()  # DDPDASH_TEST_FAULT: the SIGABRT-at-exit that torchrun reports as a failure
     return 0
-
-
-# A rank's final status, as the run's: how rank 0 of a run without a supervisor records the outcome.
-RUN_STATUS_OF_RANK = {RankStatus.DONE: RunStatus.SUCCEEDED, RankStatus.STOPPED: RunStatus.STOPPED}
-
-
-def _record_outcome_if_unsupervised(logger: RankLogger, engine: Any, run_id: int, status: str,
-                                    supervised: bool) -> None:
-    """Rank 0 records the run's outcome when no supervisor will: a hand-started run, or a launched one
-    whose supervisor died (its metrics then went to the store directly, through `engine`)."""
-    if not supervised:
-        _finish_unsupervised(engine, run_id, status)
-        return
-    taken_over = getattr(logger.sender, "taken_over", None)  # a db.store.RankWriter, once the relay broke
-    if taken_over is not None and supervisor_gone():
-        _finish_unsupervised(taken_over.engine, run_id, status)
-
-
-def _finish_unsupervised(engine: Any, run_id: int, status: str) -> None:
-    from sqlalchemy.orm import Session
-
-    from ddpdash.db.runs import finish_run
-
-    with Session(engine) as s, s.begin():
-        finish_run(s, run_id, RUN_STATUS_OF_RANK.get(status, RunStatus.FAILED))

@@ -73,7 +73,7 @@ def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> 
     _header(run, states)
     if was_active and not run.is_active:
         st.rerun()  # the run ended: draw once more without the timer
-    _charts(cache, smoothing, log_scale)
+    _charts(cache, smoothing, log_scale, bool(run.config.get("script") or run.config.get("module")), run.is_active)
     st.subheader("Ranks")
     st.dataframe(livedata.rank_table(run, states, cache), hide_index=True, width="stretch")
     _events(evs, run)
@@ -103,10 +103,26 @@ def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
             st.error(f"failed: rank(s) {list(run.failed_ranks) or '?'}")
 
 
-def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool) -> None:
+SCRIPT_LINES = """import ddpdash
+...
+ddpdash.log({"loss": loss.item()}, step=step, samples=len(batch))
+if ddpdash.should_stop():  # the Stop button asked: finish the step and leave
+    break"""
+
+
+def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool, run_is_script: bool = False,
+            active: bool = True) -> None:
     loss = cache.get(Metric.LOSS)
     if loss.empty:
-        st.info("Waiting for the first metrics: torchrun and the ranks take a few seconds to start.")
+        if run_is_script and not active:
+            st.info("This script logged no metrics. Three lines make every rank's loss and throughput show here:")
+            st.code(SCRIPT_LINES, language="python")
+        elif run_is_script:
+            st.info("Waiting for the first metrics. A script that does not call ddpdash.log() shows none: "
+                    "its status, logs and system stats are here all the same.")
+            st.code(SCRIPT_LINES, language="python")
+        else:
+            st.info("Waiting for the first metrics: torchrun and the ranks take a few seconds to start.")
         return
     left, right = st.columns(2)
     left.altair_chart(charts.loss_chart(loss, smoothing, log_scale), width="stretch")

@@ -56,6 +56,8 @@ def _widget(spec: forms.FieldSpec, machine: Machine, values: dict[str, Any]) -> 
         st.selectbox(spec.label, options, format_func=fmt,
                      **({"index": options.index(spec.default) if spec.default in options else 0} if missing else {}),
                      **kw)
+    elif spec.kind == "str_list":
+        st.text_area(spec.label, height=100, placeholder="--epochs\n3", **({"value": ""} if missing else {}), **kw)
     elif spec.kind == "bool":
         st.toggle(spec.label, **({"value": spec.default} if missing else {}), **kw)
     elif spec.kind == "int":
@@ -84,9 +86,12 @@ def render() -> None:
     left, right = st.columns([3, 2], gap="large")
     with left:
         for section, specs in forms.sections().items():
-            box = st.expander(section, expanded=False) if section == "Advanced DDP" else st.container(border=True)
+            collapsed = section in ("Advanced DDP", "Your script")
+            has_script = bool(values.get("script") or values.get("module"))
+            box = (st.expander(section, expanded=has_script and section == "Your script") if collapsed
+                   else st.container(border=True))
             with box:
-                if section != "Advanced DDP":
+                if not collapsed:
                     st.markdown(f"**{section}**")
                 if section == "Model" and forms.preset_names(values.get("model", "mlp")):
                     st.selectbox("Size preset", forms.preset_names(values.get("model", "mlp")), key="_preset",

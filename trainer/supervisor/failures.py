@@ -74,9 +74,8 @@ AGENT_SHUTDOWN = -signal.SIGTERM  # how torchrun ends the survivors of a failure
 def signalled_ranks(run_dir: RunDir, tail_lines: int = 40) -> list[RankFailure]:
     """Ranks a signal killed (SIGKILL from the OOM killer or a user, SIGSEGV, ...), from torchrun's own
     failure summary: such a rank leaves no error file, and its peers' errors only say they lost it."""
-    text = tail(run_dir.torchrun_log, 400)
     found: dict[int, RankFailure] = {}
-    for rank, local_rank, code, pid in _SUMMARY_ENTRY.findall(text):
+    for rank, local_rank, code, pid in _SUMMARY_ENTRY.findall(tail(run_dir.torchrun_log, 400)):
         exit_code = int(code)
         if exit_code >= 0 or exit_code == AGENT_SHUTDOWN:
             continue
@@ -87,6 +86,19 @@ def signalled_ranks(run_dir: RunDir, tail_lines: int = 40) -> list[RankFailure]:
         log = run_dir.rank_log(int(local_rank))
         found[int(rank)] = RankFailure(int(rank), f"killed by {name} (exit code {exit_code}, pid {pid})", "",
                                        tail(log, tail_lines) if log else "")
+    return list(found.values())
+
+
+def exited_ranks(run_dir: RunDir, tail_lines: int = 40) -> list[RankFailure]:
+    """Ranks that exited with an error and left no error file (a script without `@record` that does not
+    use ddpdash's API): torchrun's summary names them; the traceback is their stderr's tail."""
+    found: dict[int, RankFailure] = {}
+    for rank, local_rank, code, _pid in _SUMMARY_ENTRY.findall(tail(run_dir.torchrun_log, 400)):
+        if int(code) > 0:
+            log = run_dir.rank_log(int(local_rank))
+            stderr = tail(log, tail_lines) if log else ""
+            last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
+            found[int(rank)] = RankFailure(int(rank), last or f"exited with code {code}", stderr, stderr)
     return list(found.values())
 
 

@@ -32,7 +32,7 @@ from ddpdash.db.vocab import EventKind, RankStatus, RunStatus
 from ..config import RunConfig
 from ..control import descendants, terminate_run
 from ..rundir import RunDir, tail
-from .failures import RankFailure, blame, root_causes
+from .failures import RankFailure, blame, exited_ranks, root_causes
 from .relay_server import RelayServer
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
             return RunStatus.SUCCEEDED
         causes, others = blame(run_dir, frozen)
         if not causes:  # no error file (mpirun, or a rank without @record): what the ranks said themselves
-            causes = failures_from_events(s, run_id, run_dir)
+            causes = failures_from_events(s, run_id, run_dir) or root_causes(exited_ranks(run_dir))
         ranks = [f.rank for f in causes]
         error = "\n\n".join(
             f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in causes

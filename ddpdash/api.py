@@ -1,0 +1,229 @@
+"""ddpdash for a user's own torchrun script: three lines, in every rank.
+
+    import ddpdash
+    for step, batch in enumerate(loader):
+        ...
+        ddpdash.log({"loss": loss.item()}, step=step, samples=len(batch))   # samples -> samples/s
+        if ddpdash.should_stop():       # the Stop button asked: finish the step and leave
+            break
+
+Everything is read when first needed, not at import: torchrun's environment (rank, world size), the run
+ddpdash launched (its id and settings) or, outside one, one run registered per rendezvous in the store.
+Logging never calls a collective and never waits on I/O: `log()` appends to a buffer that a thread hands
+on once a second (trainer.metrics). Different ranks may log different keys. DDPDASH_DISABLED=1 makes
+every call a no-op. Runs in the user's ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+log_ = logging.getLogger(__name__)
+
+DISABLED_ENV = "DDPDASH_DISABLED"
+RUN_ID_ENV = "DDPDASH_RUN_ID"  # set by the launcher for a script it starts
+SETTINGS_ENV = "DDPDASH_SETTINGS"  # the form's settings for that script, as JSON (RunSettings' fields)
+SAMPLES_PER_S = "samples_per_s"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the form (or `ddpdash launch`) chose for this run, and where this process stands in it. A
+    script honours what it wants of it; the same values are in DDPDASH_* environment variables."""
+
+    run_id: int | None = None
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str = "gloo"
+    batch_size: int = 32
+    amp: str = "off"
+    lr: float = 0.05
+    effective_lr: float = 0.05
+    max_steps: int = 0
+    num_epochs: int = 0
+    seed: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+    launched: bool = False  # by ddpdash's launcher (else: by hand, registered on first use)
+    enabled: bool = True
+
+
+class _Run:
+    """This process's part of its run: made on first use, closed at exit."""
+
+    def __init__(self) -> None:
+        self.settings = _settings_from_env(os.environ)
+        self.logger: Any = None  # trainer.metrics.RankLogger, None when disabled
+        self.engine: Any = None  # when this rank writes the store itself
+        self.next_step = 0
+        self.last_samples_at = time.perf_counter()
+        self.stop_requested = False
+        self.warned: set[str] = set()
+        self.failed = False
+        self.closed = False
+        if self.settings.enabled:
+            self.logger, run_id, self.engine = _open_logger(self.settings)
+            self.settings = RunSettings(**{**self.settings.__dict__, "run_id": run_id})
+            self._install_handlers()
+
+    def _install_handlers(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def on_term(signum: int, frame: Any) -> None:
+                self.stop_requested = True  # should_stop() says so; the script finishes its step and leaves
+                if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+                    previous(signum, frame)
+
+            signal.signal(signal.SIGTERM, on_term)
+        hook = sys.excepthook
+
+        def on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            self.failed = True
+            rank = self.settings.rank
+            self.logger.event("rank_failed", f"rank {rank}: {kind.__name__}: {exc}",
+                              "".join(traceback.format_exception(kind, exc, tb)))
+            self.close()
+            hook(kind, exc, tb)
+
+        sys.excepthook = on_uncaught
+        atexit.register(self.close)
+
+    def clean(self, values: Mapping[str, Any]) -> dict[str, float]:
+        """Finite numbers only: a non-finite or non-numeric value is dropped with a warning (once per
+        metric), the rest of the step kept."""
+        out = {}
+        for key, value in values.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                number = math.nan
+                why = f"is not a number ({type(value).__name__})"
+            else:
+                why = f"is {number}"
+            if math.isfinite(number):
+                out[key] = number
+            elif key not in self.warned:
+                self.warned.add(key)
+                log_.warning("ddpdash.log: %r %s: dropped (the step's other values are kept)", key, why)
+        return out
+
+    def close(self) -> None:
+        """Hand on what is left with this rank's outcome; rank 0 of a run no supervisor watches (started by
+        hand, or its supervisor gone) records the run's."""
+        if self.logger is None or self.closed:
+            return
+        self.closed = True
+        from ddpdash.trainer.registry import record_outcome_if_unsupervised
+
+        status = "failed" if self.failed else "stopped" if self.stop_requested else "done"
+        self.logger.close(status=status)
+        if self.settings.rank == 0:
+            record_outcome_if_unsupervised(self.logger, self.engine, self.settings.run_id or 0, status,
+                                           self.settings.launched)
+
+
+_lock = threading.Lock()
+_current: _Run | None = None
+
+
+def _run() -> _Run:
+    global _current
+    if _current is None:
+        with _lock:
+            if _current is None:
+                _current = _Run()
+    return _current
+
+
+# ---- the API ------------------------------------------------------------------------------------------
+def init() -> RunSettings:
+    """This run's settings (optional: the other calls start the run themselves); calling it again
+    returns the same."""
+    return _run().settings
+
+
+def log(values: Mapping[str, Any], step: int | None = None, samples: int | None = None) -> None:
+    """Record this rank's `values` at `step` (default: one after the last). `samples` (how many this rank
+    trained on since the last call) adds samples/s. An append: it returns at once."""
+    run = _current or _run()
+    if run.logger is None:
+        return
+    if step is None:
+        step = run.next_step
+    run.next_step = step + 1
+    row = dict(values)
+    for value in row.values():
+        # The usual case costs a type check and a subtraction: x - x is 0.0 for finite floats only.
+        if not ((type(value) is float and value - value == 0.0) or type(value) is int):
+            row = run.clean(row)
+            break
+    if samples is not None:
+        now = time.perf_counter()
+        elapsed, run.last_samples_at = now - run.last_samples_at, now
+        if elapsed > 0:
+            row[SAMPLES_PER_S] = samples / elapsed
+    run.logger.log(step, row)
+
+
+def should_stop() -> bool:
+    """True once ddpdash asked this run to stop (SIGTERM, the Stop button): finish the step and leave."""
+    return _run().stop_requested
+
+
+def event(kind: str, message: str) -> None:
+    """A note on the run's Live page (a checkpoint written, a phase begun)."""
+    run = _run()
+    if run.logger is not None:
+        run.logger.event(kind, message)
+
+
+def finish() -> None:
+    """Hand on everything logged and close (also done at exit)."""
+    if _current is not None:
+        _current.close()
+
+
+# ---- where the run comes from ---------------------------------------------------------------------------
+def _settings_from_env(env: Mapping[str, str]) -> RunSettings:
+    enabled = env.get(DISABLED_ENV, "").strip().lower() not in ("1", "true", "yes")
+    chosen = json.loads(env.get(SETTINGS_ENV) or "{}")
+    known = {k: v for k, v in chosen.items() if k in RunSettings.__dataclass_fields__}
+    run_id = env.get(RUN_ID_ENV)
+    return RunSettings(**{**known, "rank": int(env.get("RANK", 0)), "local_rank": int(env.get("LOCAL_RANK", 0)),
+                          "world_size": int(env.get("WORLD_SIZE", 1)),
+                          "run_id": int(run_id) if run_id and run_id.isdigit() else None,
+                          "launched": bool(run_id), "enabled": enabled})
+
+
+def _open_logger(settings: RunSettings) -> tuple[Any, int, Any]:
+    from ddpdash.trainer.registry import RankPlace, open_logger
+    from ddpdash.trainer.rundir import RunDir
+
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] not in ("", "-c") else Path.cwd() / "script"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    place = RankPlace(settings.rank, "cpu", attempt, settings.world_size)
+    return open_logger(settings.run_id, None, script.stem, _hand_started_config(script, settings), place,
+                       RunDir(script.parent), None, replaces_steps=attempt > 0)
+
+
+def _hand_started_config(script: Path, settings: RunSettings) -> str:
+    from ddpdash.trainer.config import RunConfig
+
+    return RunConfig(name=script.stem, num_procs=settings.world_size, script=str(script),
+                     script_args=tuple(sys.argv[1:])).to_json()
+
