@@ -33,7 +33,10 @@ from bench.common import ROOT, Result, Store, describe, interleaved, quartiles, 
 LOOP = ROOT / "bench" / "loop.py"
 BASELINE, CONTROL = "no logging", "no logging again (A/A control)"
 # Variant → the loop's --logger. "ddpdash" runs with a relay served as the supervisor serves it.
-LOOP_LOGGER = {BASELINE: "none", CONTROL: "none", "ddpdash": "ddpdash", "ddpdash, direct": "ddpdash"}
+SCRIPT = "ddpdash, your script"  # a launched user script logging with ddpdash.log(): the same relay
+LOOP_LOGGER = {BASELINE: "none", CONTROL: "none", "ddpdash": "ddpdash", "ddpdash, direct": "ddpdash",
+               SCRIPT: "ddpdash-api"}
+RELAYED = ("ddpdash", SCRIPT)
 
 
 def available(logger: str) -> bool:
@@ -54,7 +57,7 @@ def run_loop(logger: str, steps: int, ranks: int) -> dict[str, float]:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                    *cmd[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        store = Store(Path(work), relay=logger == "ddpdash") if loop_logger == "ddpdash" else None
+        store = Store(Path(work), relay=logger in RELAYED) if loop_logger.startswith("ddpdash") else None
         if store is not None:
             cmd += ["--run-id", str(store.run_id), "--db-url", store.url]
             env.update(store.env)
@@ -81,7 +84,7 @@ def run_segmented(logger: str, steps: int, ranks: int, segment: int) -> list[tup
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                    *cmd[1:]]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        store = Store(Path(work), relay=logger == "ddpdash") if logger.startswith("ddpdash") else None
+        store = Store(Path(work), relay=logger in RELAYED) if logger.startswith("ddpdash") else None
         if store is not None:
             cmd += ["--run-id", str(store.run_id), "--db-url", store.url]
             env.update(store.env)
@@ -192,10 +195,13 @@ def measure(segmented_steps: int, segmented_rounds: int, steps: int, repeats: in
         rounds = segmented_rounds * SEGMENT_ROUNDS_FACTOR[ranks]
         print(f"-- {label}: logging on and off every {segment} steps, {segmented_steps // ranks} steps a run, "
               f"{rounds} rounds")
-        found = compare_segmented(["ddpdash", CONTROL], segmented_steps // ranks, rounds, ranks, segment)
-        ddpdash, control = found["ddpdash"], found[CONTROL]
+        found = compare_segmented(["ddpdash", SCRIPT, CONTROL], segmented_steps // ranks, rounds, ranks, segment)
+        ddpdash, script, control = found["ddpdash"], found[SCRIPT], found[CONTROL]
         results.append(Result(f"logging overhead ({label})", f"{ddpdash.total:.3f}× (A/A control {control.total:.3f}×)",
                               "≤ 1.01×", ddpdash.total <= 1.01))
+        results.append(Result(f"logging overhead, your script's ddpdash.log() ({label})",
+                              f"{script.total:.3f}× (A/A control {control.total:.3f}×)", "≤ 1.01×",
+                              script.total <= 1.01))
         print(f"-- {label}, whole runs for reference: {steps} steps, log every step, {repeats} rounds")
         compare([BASELINE, "ddpdash", "ddpdash, direct", CONTROL], steps, repeats, ranks)
         if others:

@@ -62,6 +62,28 @@ def make_sink(kind: str, workdir: Path, rank: int, run_id: int | None, db_url: s
         place = RankPlace(env.rank, str(env.device), env.attempt, env.world_size)
         logger, _, _ = open_logger(run_id, db_url, "bench", RunConfig().to_json(), place, RunDir(workdir), None)
         return logger  # type: ignore[return-value]
+    if kind == "ddpdash-api":
+        # A user's script: the public API, in a run the harness launched (its relay, its run id).
+        os.environ["DDPDASH_RUN_ID"] = str(run_id)
+        import ddpdash
+        from ddpdash import api
+
+        ddpdash.init()
+
+        class ApiSink(Sink):
+            def log(self, step: int, values: dict[str, float]) -> None:
+                ddpdash.log(values, step=step)
+
+            def close(self) -> None:
+                ddpdash.finish()
+
+        sink = ApiSink()
+        logger = api._current.logger if api._current else None
+        # The segment schedule reaches the logger's thread as it does the trainer's (work_on_demand, wake).
+        sink._wake = logger._wake  # type: ignore[attr-defined, union-attr]
+        sink._thread = logger._thread  # type: ignore[attr-defined, union-attr]
+        sink.logger = logger  # type: ignore[attr-defined]
+        return sink
     if kind == "mlflow":
         import mlflow
 
@@ -122,8 +144,9 @@ class Segments:
 
 def work_on_demand(sink: Sink) -> None:
     """Segment mode: the sink's background thread no longer works on its timer, only when woken."""
-    if hasattr(sink, "send_interval_s"):
-        sink.send_interval_s = 3600.0
+    target = getattr(sink, "logger", sink)
+    if hasattr(target, "send_interval_s"):
+        target.send_interval_s = 3600.0
     wake(sink)  # the thread re-reads its interval once it has done this round
 
 

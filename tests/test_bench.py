@@ -22,8 +22,9 @@ def test_every_benchmark_runs_and_prints_a_result_line_per_target(tmp_path) -> N
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = result.stdout.split("== summary", 1)[1]
     targets = [m.group(0).split(":")[0] for m in LINE.finditer(summary)]
-    # logging ×2 (1 process, 2 ranks), ingest ×2, chart, live, trainer, launch
-    assert len(targets) == 8, summary
+    # logging ×4 (the trainer and a script's ddpdash.log(), 1 process and 2 ranks), log() cost, ingest ×2,
+    # chart, live, trainer, launch
+    assert len(targets) == 11, summary
 
 
 def test_a_batch_costs_its_quad_and_what_spills_into_the_next() -> None:
