@@ -83,7 +83,8 @@ def widget_state(cfg: RunConfig) -> dict[str, Any]:
     """Session-state values that pre-fill the form with `cfg` (used for defaults and Clone)."""
     data = {f.name: cfg.to_dict()[f.name] for f in settable_fields()}
     state = {KEY_PREFIX + name: (list(v) if isinstance(v, list) else v) for name, v in data.items()}
-    state[KEY_PREFIX + "script_args"] = "\n".join(cfg.script_args)  # a text area: one argument per line
+    state[KEY_PREFIX + "script_args"] = "\n".join(cfg.script_args)  # text areas: one entry per line
+    state[KEY_PREFIX + "params"] = "\n".join(cfg.params)
     return state
 
 

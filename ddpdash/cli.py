@@ -70,7 +70,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def flag_fields() -> list[Any]:
-    """The settings that are flags: all a user sets, but a script's own arguments (they follow `--`)."""
+    """The settings that are flags: all a user sets, but lists (a script's own arguments follow `--`;
+    parameters are `--param key=value`, repeated)."""
     return [f for f in settable_fields() if field_kind(f) != "str_list"]
 
 
@@ -79,6 +80,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     overrides = {f.name: getattr(args, f.name) for f in flag_fields() if getattr(args, f.name) is not None}
     if args.script_args:
         overrides["script_args"] = list(args.script_args)
+    if args.param:
+        overrides["params"] = list(args.param)
     return RunConfig.from_dict({**base, **overrides})
 
 
@@ -282,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--config", help="a JSON file of run settings; flags override it")
     launch.add_argument("--wait", action="store_true", help="show progress and exit with the run's outcome")
     add_config_flags(launch)
+    launch.add_argument("--param", action="append", metavar="KEY=VALUE",
+                        help="a parameter of yours (repeatable): ddpdash.init().params, typed by value")
     launch.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARG",
                         help="your script's own arguments, after -- (with --script or --module)")
 

@@ -201,12 +201,32 @@ def test_ddpdash_disabled_makes_every_call_a_no_op(engine: Engine, db_url: str, 
 def test_init_returns_the_forms_settings(engine: Engine, tmp_path: Path) -> None:
     path = script(tmp_path / "settings", 'if step == 1:\n    s = ddpdash.init()\n'
                   '    ddpdash.event("note", f"{s.batch_size} {s.effective_lr:g} {s.world_size} {s.run_id} "\n'
-                  '                  f"{os.environ[\'DDPDASH_BATCH_SIZE\']}")\n' + LOG_LOSS)
-    run_id = launch(engine, RunConfig(script=str(path), num_procs=2, batch_size=48, lr=0.1), CPU_MACHINE)
+                  '                  f"{os.environ[\'DDPDASH_BATCH_SIZE\']} {sorted(s.params.items())}")\n' + LOG_LOSS)
+    params = ("width=128", "use_bn=true", "tag=baseline", "dropout=0.1")
+    run_id = launch(engine, RunConfig(script=str(path), num_procs=2, batch_size=48, lr=0.1, params=params),
+                    CPU_MACHINE)
     assert wait_final(engine, run_id, 120).status == RunStatus.SUCCEEDED
     with Session(engine) as s:
         notes = events(s, run_id)
-    assert set(notes[notes["kind"] == "note"]["message"]) == {f"48 0.2 2 {run_id} 48"}
+    typed = [("dropout", 0.1), ("tag", "baseline"), ("use_bn", True), ("width", 128)]
+    assert set(notes[notes["kind"] == "note"]["message"]) == {f"48 0.2 2 {run_id} 48 {typed}"}
+
+
+def test_parameters_round_trip_through_the_cli_and_refuse_a_bad_one() -> None:
+    from ddpdash.cli import build_parser, config_from_args
+    from ddpdash.trainer.commands import cli_command
+
+    args = build_parser().parse_args(["launch", "--script", str(EXAMPLE), "--param", "width=128", "--param",
+                                      "lr_decay=0.5", "--", "--epochs", "3"])
+    cfg = config_from_args(args)
+    assert cfg.params == ("width=128", "lr_decay=0.5") and cfg.parameters == {"width": 128, "lr_decay": 0.5}
+    assert cfg.script_args == ("--epochs", "3")
+    again = config_from_args(build_parser().parse_args(cli_command(cfg)[1:]))  # "Same run from a terminal"
+    assert again == cfg
+    from ddpdash.trainer.config import validate
+
+    [error] = [e for e in validate(RunConfig(params=("no equals sign",)), CPU_MACHINE) if e.field == "params"]
+    assert "key=value" in error.message
 
 
 # ---- refused before launch ---------------------------------------------------------------------------

@@ -257,3 +257,23 @@ def test_four_writer_processes_and_a_polling_reader_lose_nothing(engine: Engine,
         assert count_points(s, run_id) == 4 * n * 2
         states = rank_states(s, run_id)
     assert states["status"].tolist() == ["done"] * 4 and reads > 0
+
+
+def test_a_restarted_scripts_steps_replace_what_the_failed_attempt_stored(engine: Engine) -> None:
+    """A user's script does not tell its checkpoint's step: a restarted attempt's logger marks its first
+    batch, and from that step on the rank's points are the new attempt's, once each."""
+    from ddpdash.trainer.metrics import RankLogger
+
+    run_id = make_run(engine)
+    first = direct_logger(engine, run_id, 0, send_interval_s=3600)
+    for step in range(1, 11):
+        first.log(step, {"loss": 1.0})
+    first.close()
+    second = RankLogger(RankWriter(engine, run_id, 0, attempt=1), 0, send_interval_s=3600, replaces_steps=True)
+    for step in range(6, 9):  # resumed at step 6
+        second.log(step, {"loss": -1.0})
+    second.close()
+    with Session(engine) as s:
+        df = metric_series(s, run_id, "loss", max_points=10_000)
+    assert df["step"].tolist() == list(range(1, 9))
+    assert df["value"].tolist() == [1.0] * 5 + [-1.0] * 3

@@ -80,9 +80,10 @@ def script_env(cfg: RunConfig, run_id: int) -> dict[str, str]:
     — as JSON for ddpdash.init(), and one variable each for a script that does not import ddpdash."""
     chosen = {"backend": cfg.resolved_backend, "batch_size": cfg.batch_size, "amp": cfg.amp, "lr": cfg.lr,
               "effective_lr": cfg.effective_lr, "max_steps": cfg.max_steps, "num_epochs": cfg.num_epochs,
-              "seed": cfg.seed}
+              "seed": cfg.seed, "params": cfg.parameters}
     env = {"DDPDASH_RUN_ID": str(run_id), "DDPDASH_SETTINGS": json.dumps(chosen)}
-    env.update({f"DDPDASH_{name.upper()}": str(value) for name, value in chosen.items()})
+    env.update({f"DDPDASH_{name.upper()}": str(value) for name, value in chosen.items() if name != "params"})
+    env.update({f"DDPDASH_PARAM_{key.upper()}": str(value) for key, value in cfg.parameters.items()})
     return env
 
 
@@ -100,6 +101,9 @@ def cli_command(cfg: RunConfig) -> list[str]:
         if name == "num_procs" and cfg.devices:
             continue
         if value == default[name] or name not in settable or name == "script_args":
+            continue
+        if name == "params":
+            argv += [arg for entry in value for arg in ("--param", entry)]
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

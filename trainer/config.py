@@ -94,6 +94,8 @@ class RunConfig:
                                       "Your script", list=True)
     workdir: str = _f("", "Your script's working directory (default: the script's folder, or here for -m).",
                       "Your script")
+    params: tuple[str, ...] = _f((), "Your parameters, key=value, one per line: ddpdash.init().params, typed by "
+                                     "value (int, float, true/false, else text).", "Your script", list=True)
     script_sha256: str = _f("", "The script's content hash, recorded at launch: runs of different code tell apart.",
                             "Your script", derived=True)
 
@@ -145,7 +147,13 @@ class RunConfig:
         out = dataclasses.asdict(self)
         out["devices"] = list(self.devices)
         out["script_args"] = list(self.script_args)
+        out["params"] = list(self.params)
         return out
+
+    @property
+    def parameters(self) -> dict[str, bool | int | float | str]:
+        """The user's parameters, each typed by its value."""
+        return dict(parse_param(entry) for entry in self.params)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -394,6 +402,10 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         err("max_steps", "and num_epochs are both 0: set at least one so the run can end")
     if cfg.lr <= 0 and math.isfinite(cfg.lr):
         err("lr", f"must be > 0, got {cfg.lr}")
+    for entry in cfg.params:
+        key, sep, _ = entry.partition("=")
+        if not sep or not key.strip().isidentifier():
+            err("params", f"must be key=value with a name for a key, got {entry!r}")
     if cfg.script and cfg.module:
         err("module", "and script are both set: choose one (a file, or a module run with -m)")
     if cfg.script_args and not cfg.uses_script:
@@ -444,6 +456,24 @@ def detect_machine() -> Machine:
                    memory_free_bytes=int(psutil.virtual_memory().available))
 
 
+
+
+def parse_param(entry: str) -> tuple[str, bool | int | float | str]:
+    """`key=value`, the value typed as it reads: true/false, a whole number, a number, else text."""
+    key, _, raw = entry.partition("=")
+    raw = raw.strip()
+    value: bool | int | float | str
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    else:
+        try:
+            value = int(raw)
+        except ValueError:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = raw
+    return key.strip(), value
 
 
 # ---- your own script: checks that look at the file system ---------------------------------------------
