@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-log_ = logging.getLogger(__name__)
+_log = logging.getLogger(__name__)
 
 DISABLED_ENV = "DDPDASH_DISABLED"
 RUN_ID_ENV = "DDPDASH_RUN_ID"  # set by the launcher for a script it starts
@@ -119,7 +119,7 @@ class _Run:
                 out[key] = number
             elif key not in self.warned:
                 self.warned.add(key)
-                log_.warning("ddpdash.log: %r %s: dropped (the step's other values are kept)", key, why)
+                _log.warning("ddpdash.log: %r %s: dropped (the step's other values are kept)", key, why)
         return out
 
     def close(self) -> None:
