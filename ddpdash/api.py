@@ -159,25 +159,28 @@ def init() -> RunSettings:
 
 def log(values: Mapping[str, Any], step: int | None = None, samples: int | None = None) -> None:
     """Record this rank's `values` at `step` (default: one after the last). `samples` (how many this rank
-    trained on since the last call) adds samples/s. An append: it returns at once."""
-    run = _current or _run()
-    if run.logger is None:
+    trained on since the last call) adds samples/s. An append: it returns at once, and keeps the mapping
+    it is given (pass a new one each call, as a dict literal does)."""
+    run = _current
+    if run is None:
+        run = _run()
+    logger = run.logger
+    if logger is None:
         return
     if step is None:
         step = run.next_step
     run.next_step = step + 1
-    row = dict(values)
-    for value in row.values():
-        # The usual case costs a type check and a subtraction: x - x is 0.0 for finite floats only.
-        if not ((type(value) is float and value - value == 0.0) or type(value) is int):
-            row = run.clean(row)
+    for value in values.values():
+        # The usual case costs a type check and a subtraction: x - x is 0.0 (false) for a finite float.
+        if type(value) is not float or value - value:
+            values = run.clean(values)
             break
     if samples is not None:
         now = time.perf_counter()
         elapsed, run.last_samples_at = now - run.last_samples_at, now
         if elapsed > 0:
-            row[SAMPLES_PER_S] = samples / elapsed
-    run.logger.log(step, row)
+            values = {**values, SAMPLES_PER_S: samples / elapsed}
+    logger.log(step, values)
 
 
 def should_stop() -> bool:
