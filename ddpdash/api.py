@@ -32,6 +32,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ddpdash.db.vocab import EventKind, RankStatus
+
 _log = logging.getLogger(__name__)
 
 DISABLED_ENV = "DDPDASH_DISABLED"
@@ -49,14 +51,15 @@ class RunSettings:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    backend: str = "gloo"
-    batch_size: int = 32
-    amp: str = "off"
-    lr: float = 0.05
-    effective_lr: float = 0.05
-    max_steps: int = 0
-    num_epochs: int = 0
-    seed: int = 0
+    # What the form chose; None in a run started by hand, where nothing was chosen.
+    backend: str | None = None
+    batch_size: int | None = None
+    amp: str | None = None
+    lr: float | None = None
+    effective_lr: float | None = None
+    max_steps: int | None = None
+    num_epochs: int | None = None
+    seed: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
     launched: bool = False  # by ddpdash's launcher (else: by hand, registered on first use)
     enabled: bool = True
@@ -95,7 +98,7 @@ class _Run:
         def on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
             self.failed = True
             rank = self.settings.rank
-            self.logger.event("rank_failed", f"rank {rank}: {kind.__name__}: {exc}",
+            self.logger.event(EventKind.RANK_FAILED, f"rank {rank}: {kind.__name__}: {exc}",
                               "".join(traceback.format_exception(kind, exc, tb)))
             self.close()
             hook(kind, exc, tb)
@@ -130,7 +133,7 @@ class _Run:
         self.closed = True
         from ddpdash.trainer.registry import record_outcome_if_unsupervised
 
-        status = "failed" if self.failed else "stopped" if self.stop_requested else "done"
+        status = RankStatus.FAILED if self.failed else RankStatus.STOPPED if self.stop_requested else RankStatus.DONE
         self.logger.close(status=status)
         if self.settings.rank == 0:
             record_outcome_if_unsupervised(self.logger, self.engine, self.settings.run_id or 0, status,
