@@ -275,8 +275,9 @@ def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None
         if now - run.created_at < QUEUED_GRACE_S:
             return None  # launch() has not recorded the supervisor yet
         return "its supervisor never started"
-    if run.host == host and any(processes) and not training:
-        return "its supervisor and its training processes are gone"
+    if run.host == host and any(processes):
+        # Its processes are known here: they are the truth (a script that never logs has no heartbeat).
+        return None if training else "its supervisor and its training processes are gone"
     last = beat if beat is not None else run.created_at
     if now - last > STALE_HEARTBEAT_S:
         where = f"host {run.host}" if run.host and run.host != host else "its ranks"
