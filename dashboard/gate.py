@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import html
 import logging
+import os
 import secrets
 import threading
 import time
@@ -134,8 +135,6 @@ class WebGate:
     """ASGI middleware: the host check, then the token or the password, then Streamlit."""
 
     def __init__(self, app: App, settings: GateSettings | None = None, brake: LoginBrake | None = None) -> None:
-        import os
-
         self.app = app
         self.settings = settings or GateSettings.from_env(os.environ)
         self.brake = brake or LoginBrake()

@@ -164,15 +164,15 @@ def cmd_runs(engine: Engine, args: argparse.Namespace) -> int:
     print(f"{'id':>5}  {'status':<10} {'ranks':>5}  {'model':<12} {'started':<19}  name")
     for r in runs:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at or r.created_at))
-        print(f"{r.id:>5}  {r.status:<10} {r.world_size:>5}  {_what(r.config):<12} {started:<19}  {r.name}")
+        print(f"{r.id:>5}  {r.status:<10} {r.world_size:>5}  {_what(r):<12} {started:<19}  {r.name}")
     return 0
 
 
-def _what(config: dict[str, Any]) -> str:
-    try:
-        return RunConfig.from_dict(config).what
-    except ConfigInvalid:
-        return str(config.get("model", "?"))
+def _what(run: Any) -> str:
+    from ddpdash.dashboard.history import run_config
+
+    cfg = run_config(run)
+    return cfg.what if cfg else str(run.config.get("model", "?"))
 
 
 def cmd_show(engine: Engine, args: argparse.Namespace) -> int:

@@ -483,6 +483,25 @@ def script_workdir(cfg: RunConfig) -> Path:
     return Path(cfg.script).expanduser().resolve().parent if cfg.script else Path.cwd()
 
 
+def script_file(cfg: RunConfig, find_module: bool = True) -> Path | None:
+    """The file a script run runs: the script (relative to workdir when one is given, else to here), or
+    the file `-m module` resolves to from workdir (looked up in a child process; None if not found, or
+    when `find_module` is false)."""
+    if cfg.script:
+        path = Path(cfg.script).expanduser()
+        if path.is_absolute():
+            return path
+        return script_workdir(cfg) / path if cfg.workdir else path.resolve()
+    if cfg.module and find_module:
+        origin = module_origin(cfg.module, script_workdir(cfg))
+        return Path(origin) if origin else None
+    return None
+
+
+def module_not_found(cfg: RunConfig) -> ConfigError:
+    return ConfigError("module", f"{cfg.module} cannot be found from {script_workdir(cfg)}")
+
+
 def check_script(cfg: RunConfig, find_module: bool = True) -> list[ConfigError]:
     """Before a script run is launched: the file exists and can be read, the working directory exists,
     `-m module` can be found from it (looked up in a child process with a time limit: finding a
@@ -490,21 +509,17 @@ def check_script(cfg: RunConfig, find_module: bool = True) -> list[ConfigError]:
     errors: list[ConfigError] = []
     if not cfg.uses_script:
         return errors
-    workdir = script_workdir(cfg)
-    if cfg.workdir and not workdir.is_dir():
+    if cfg.workdir and not script_workdir(cfg).is_dir():
         errors.append(ConfigError("workdir", f"{cfg.workdir} is not a folder"))
     if cfg.script:
-        path = Path(cfg.script).expanduser()
-        if not path.is_absolute() and cfg.workdir:
-            path = workdir / path
+        path = script_file(cfg)
+        assert path is not None
         if not path.is_file():
             errors.append(ConfigError("script", f"{cfg.script} is not a file"))
         elif not os.access(path, os.R_OK):
             errors.append(ConfigError("script", f"{cfg.script} cannot be read"))
-    if cfg.module and find_module and not errors:
-        found = module_origin(cfg.module, workdir)
-        if found is None:
-            errors.append(ConfigError("module", f"{cfg.module} cannot be found from {workdir}"))
+    if cfg.module and find_module and not errors and script_file(cfg) is None:
+        errors.append(module_not_found(cfg))
     return errors
 
 

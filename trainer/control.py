@@ -31,7 +31,17 @@ from ddpdash.db.paths import default_db_url
 from ddpdash.db.vocab import EventKind, RunStatus
 
 from .commands import SHUTDOWN_TIMEOUT_S, SUPERVISOR_MODULE, supervisor_argv, torchrun_argv, torchrun_env
-from .config import ConfigInvalid, Machine, RunConfig, check, check_script, module_origin, script_workdir
+from .config import (
+    ConfigError,
+    ConfigInvalid,
+    Machine,
+    RunConfig,
+    check,
+    check_script,
+    module_not_found,
+    script_file,
+    script_workdir,
+)
 from .rundir import RunDir, new_run_dir
 from .supervisor.priority import PriorityError, supervisor_nice
 
@@ -70,7 +80,7 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     from ddpdash.db.runs import create_run, finish_run, update_run
 
     check(cfg, machine)  # raises ConfigInvalid before anything is written
-    cfg = with_script_hash(check_scripts(cfg))
+    cfg = checked_script_config(cfg)
     try:
         supervisor_nice()
     except PriorityError as exc:
@@ -96,26 +106,25 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     return run_id
 
 
-def check_scripts(cfg: RunConfig) -> RunConfig:
-    errors = check_script(cfg)
-    if errors:
-        raise ConfigInvalid(errors)
-    return cfg
-
-
-def with_script_hash(cfg: RunConfig) -> RunConfig:
-    """The config as stored: a script run carries its code's content hash (two runs of different code are
-    told apart on Compare)."""
+def checked_script_config(cfg: RunConfig) -> RunConfig:
+    """The config as stored, once its script checks out: a script run carries its file's absolute path
+    and content hash (two runs of different code are told apart on Compare), and is named after the
+    script unless named. A module is looked up once, here."""
     if not cfg.uses_script:
         return cfg
-    path = Path(cfg.script).expanduser() if cfg.script else Path(module_origin(cfg.module, script_workdir(cfg)) or "")
-    if cfg.script and not path.is_absolute():
-        path = script_workdir(cfg) / path if cfg.workdir else path.resolve()
+    errors = check_script(cfg, find_module=False)
+    path = None if errors else script_file(cfg)
+    if path is None and not errors:
+        errors = [module_not_found(cfg)]
+    if errors:
+        raise ConfigInvalid(errors)
+    assert path is not None
     try:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return cfg
-    name = path.stem if cfg.name == RunConfig().name else cfg.name  # a script run is named after its script
+    except OSError as exc:
+        raise ConfigInvalid([ConfigError("script" if cfg.script else "module",
+                                         f"{path} cannot be read: {exc.strerror}")]) from exc
+    name = path.stem if cfg.name == RunConfig().name else cfg.name
     return cfg.replace(script=str(path) if cfg.script else "", script_sha256=digest, name=name)
 
 

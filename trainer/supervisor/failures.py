@@ -71,21 +71,26 @@ _SUMMARY_ENTRY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: (\d+)\)\s*\n\s*exit
 AGENT_SHUTDOWN = -signal.SIGTERM  # how torchrun ends the survivors of a failure: not a cause
 
 
+def _summary(run_dir: RunDir) -> list[tuple[int, int, int, str]]:
+    """(rank, local rank, exit code, pid) of each entry of torchrun's failure summary."""
+    return [(int(rank), int(local), int(code), pid)
+            for rank, local, code, pid in _SUMMARY_ENTRY.findall(tail(run_dir.torchrun_log, 400))]
+
+
 def signalled_ranks(run_dir: RunDir, tail_lines: int = 40) -> list[RankFailure]:
     """Ranks a signal killed (SIGKILL from the OOM killer or a user, SIGSEGV, ...), from torchrun's own
     failure summary: such a rank leaves no error file, and its peers' errors only say they lost it."""
     found: dict[int, RankFailure] = {}
-    for rank, local_rank, code, pid in _SUMMARY_ENTRY.findall(tail(run_dir.torchrun_log, 400)):
-        exit_code = int(code)
+    for rank, local_rank, exit_code, pid in _summary(run_dir):
         if exit_code >= 0 or exit_code == AGENT_SHUTDOWN:
             continue
         try:
             name = signal.Signals(-exit_code).name
         except ValueError:
             name = f"signal {-exit_code}"
-        log = run_dir.rank_log(int(local_rank))
-        found[int(rank)] = RankFailure(int(rank), f"killed by {name} (exit code {exit_code}, pid {pid})", "",
-                                       tail(log, tail_lines) if log else "")
+        log = run_dir.rank_log(local_rank)
+        found[rank] = RankFailure(rank, f"killed by {name} (exit code {exit_code}, pid {pid})", "",
+                                  tail(log, tail_lines) if log else "")
     return list(found.values())
 
 
@@ -93,12 +98,12 @@ def exited_ranks(run_dir: RunDir, tail_lines: int = 40) -> list[RankFailure]:
     """Ranks that exited with an error and left no error file (a script without `@record` that does not
     use ddpdash's API): torchrun's summary names them; the traceback is their stderr's tail."""
     found: dict[int, RankFailure] = {}
-    for rank, local_rank, code, _pid in _SUMMARY_ENTRY.findall(tail(run_dir.torchrun_log, 400)):
-        if int(code) > 0:
-            log = run_dir.rank_log(int(local_rank))
+    for rank, local_rank, code, _pid in _summary(run_dir):
+        if code > 0:
+            log = run_dir.rank_log(local_rank)
             stderr = tail(log, tail_lines) if log else ""
             last = next((line for line in reversed(stderr.splitlines()) if line.strip()), "")
-            found[int(rank)] = RankFailure(int(rank), last or f"exited with code {code}", stderr, stderr)
+            found[rank] = RankFailure(rank, last or f"exited with code {code}", stderr, stderr)
     return list(found.values())
 
 
