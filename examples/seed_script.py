@@ -6,6 +6,7 @@ three lines (marked ddpdash). Run it either way:
 """
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ def main() -> None:
         else:
             continue
         break
+    del model, optimizer, loss
+    gc.collect()  # release DDP's buffers before tearing the group down: gloo can abort at exit otherwise
     dist.destroy_process_group()
 
 

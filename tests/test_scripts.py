@@ -45,6 +45,8 @@ for step in range(1, {steps} + 1):
     loss.backward()
     opt.step()
 {body}
+del model, opt, loss
+import gc; gc.collect()  # release DDP before tearing the group down: gloo can abort at exit otherwise (NOTES)
 dist.destroy_process_group()
 '''
 
