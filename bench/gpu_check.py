@@ -32,8 +32,8 @@ from bench.common import ROOT
 
 # The form's "large (GPU)" presets (dashboard/forms.py PRESETS), with batches that keep a step short.
 GPU_RUNS = {
-    "mlp": ["--model", "mlp", "--width", "4096", "--depth", "8", "--batch-size", "256"],
-    "transformer": ["--model", "transformer", "--width", "1024", "--depth", "12", "--num-heads", "16",
+    "mlp": ["--recipe", "mlp", "--width", "4096", "--depth", "8", "--batch-size", "256"],
+    "transformer": ["--recipe", "transformer", "--width", "1024", "--depth", "12", "--num-heads", "16",
                     "--seq-len", "1024", "--batch-size", "8"],
 }
 AMPS = ("off", "bf16", "fp16")
@@ -137,7 +137,7 @@ def trainer_samples_per_s(steps: int, warmup: int, batch: int, width: int, log_e
     from ddpdash.db.chunks import read_points
     from ddpdash.trainer.config import RunConfig
 
-    cfg = RunConfig(name="gpu-bench", model="mlp", width=width, depth=2, batch_size=batch, max_steps=steps,
+    cfg = RunConfig(name="gpu-bench", recipe="mlp", width=width, depth=2, batch_size=batch, max_steps=steps,
                     log_every=log_every, checkpoint_every=0, sync_check_every=0, devices=(0,), backend="nccl")
     with tempfile.TemporaryDirectory() as work:
         (Path(work) / "config.json").write_text(cfg.to_json())
@@ -187,7 +187,7 @@ def run_checks(quick: bool) -> list[Check]:
                                                              "--amp", amp, "--max-steps", str(steps)], True))
         if not gpus:  # the same machinery, on what this machine has
             checks.append(launch_and_verify("cpu launcher (2 gloo ranks)", home,
-                                            ["--num-procs", "2", "--model", "mlp", "--width", "32", "--max-steps",
+                                            ["--num-procs", "2", "--recipe", "mlp", "--width", "32", "--max-steps",
                                              str(steps), "--batch-size", "32"], False))
     checks.append(nvml_check() if gpus else Check("nvml", "SKIP", no_gpu))
     if not gpus:

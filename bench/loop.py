@@ -190,7 +190,7 @@ def main() -> None:
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     workdir = Path(args.workdir or tempfile.mkdtemp())
-    cfg = RunConfig(model="mlp", width=64, depth=2, batch_size=32)
+    cfg = RunConfig(recipe="mlp", width=64, depth=2, batch_size=32)
     torch.manual_seed(0)
     data = load(cfg)
     model = build(cfg, data)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import functools
 import shlex
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddpdash.trainer.check import CheckFailure, CheckResult, RecipeReport
 from ddpdash.trainer.config import (
+    BUILTIN_RECIPES,
+    DEMO_RECIPES,
     ConfigInvalid,
     Machine,
     RunConfig,
@@ -24,8 +28,23 @@ from ddpdash.trainer.config import (
 from ddpdash.trainer.memory import estimate
 
 KEY_PREFIX = "cfg_"
-SECTION_ORDER = ("Run", "Devices", "Your script", "Model", "Training", "Advanced DDP")
-MODEL_SECTION_FIELDS = {"model", "dataset", "width", "depth", "seq_len", "num_heads", "num_samples"}
+SECTION_ORDER = ("Run", "Devices", "Your script", "Model", "Your data", "Training", "Advanced DDP")
+# What a script brings itself: the form hides these when one is chosen.
+MODEL_SECTION_FIELDS = {"recipe", "dataset", "width", "depth", "seq_len", "num_heads", "num_samples", "data", "target",
+                        "task", "val_fraction", "image_size", "arch"}
+# The recipe is picked from a list, with a text box for the user's own: two widgets, one setting.
+OWN_RECIPE = "your own recipe…"
+RECIPE_CHOICE_KEY = KEY_PREFIX + "recipe"
+OWN_RECIPE_KEY = KEY_PREFIX + "recipe_own"
+RECIPE_CHOICES = (*BUILTIN_RECIPES, OWN_RECIPE)
+# The parameters are a key/value table (st.data_editor): its state holds edits to the rows it began with,
+# under a key that changes whenever the form is filled anew (a data editor's state cannot be assigned).
+PARAMS_ROWS_KEY = "_params_rows"
+PARAMS_EDITOR_KEY = "_params_editor_key"
+PARAM_COLUMNS = ("key", "value")
+# The data recipes' own settings.
+DATA_FIELDS = {"table": {"data", "target", "task", "val_fraction"},
+               "images": {"data", "val_fraction", "image_size", "arch"}}
 
 # Size presets per model: width/depth/sequence settings a user picks instead of typing them.
 PRESETS: dict[str, dict[str, dict[str, int]]] = {
@@ -41,7 +60,8 @@ PRESETS: dict[str, dict[str, dict[str, int]]] = {
 }
 # Fields that only matter for some models; the form hides the others.
 MODEL_FIELDS = {"linear": set(), "mlp": {"width", "depth"}, "cnn": {"width", "depth"},
-                "transformer": {"width", "depth", "num_heads", "seq_len"}}
+                "transformer": {"width", "depth", "num_heads", "seq_len"},
+                "table": {"width", "depth"}, "images": {"width", "depth"}}  # an MLP; the small CNN
 SIZE_FIELDS = {"width", "depth", "num_heads", "seq_len", "num_samples"}
 
 
@@ -84,14 +104,47 @@ def widget_state(cfg: RunConfig) -> dict[str, Any]:
     data = {f.name: cfg.to_dict()[f.name] for f in settable_fields()}
     state = {KEY_PREFIX + name: (list(v) if isinstance(v, list) else v) for name, v in data.items()}
     state[KEY_PREFIX + "script_args"] = "\n".join(cfg.script_args)  # text areas: one entry per line
-    state[KEY_PREFIX + "params"] = "\n".join(cfg.params)
+    del state[KEY_PREFIX + "params"]
+    state[PARAMS_ROWS_KEY] = [list(parse_param_text(entry)) for entry in cfg.params]
+    state[PARAMS_EDITOR_KEY] = f"_params_{uuid.uuid4().hex[:8]}"
+    state[RECIPE_CHOICE_KEY] = cfg.recipe if cfg.recipe in BUILTIN_RECIPES else OWN_RECIPE
+    state[OWN_RECIPE_KEY] = "" if cfg.recipe in BUILTIN_RECIPES else cfg.recipe
     return state
 
 
+def parse_param_text(entry: str) -> tuple[str, str]:
+    key, _, value = entry.partition("=")
+    return key.strip(), value.strip()
+
+
+def params_from_editor(rows: list[list[str]], edits: Any) -> list[str]:
+    """`key=value` entries from the editor's first rows and its edits ({"edited_rows": {i: {column: value}},
+    "added_rows": [{column: value}], "deleted_rows": [i]}); blank rows are dropped, a key without a value
+    is kept (validation names it)."""
+    edits = edits if isinstance(edits, dict) else {}
+    table = [dict(zip(PARAM_COLUMNS, row, strict=False)) for row in rows]
+    for index, change in (edits.get("edited_rows") or {}).items():
+        if 0 <= int(index) < len(table):
+            table[int(index)].update(change)
+    deleted = {int(i) for i in edits.get("deleted_rows") or []}
+    table = [row for i, row in enumerate(table) if i not in deleted] + list(edits.get("added_rows") or [])
+    out = []
+    for row in table:
+        key, value = str(row.get("key") or "").strip(), str(row.get("value") or "").strip()
+        if key or value:
+            out.append(f"{key}={value}")
+    return out
+
+
 def values_from_state(state: Any) -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for spec in field_specs():
-        if spec.key in state:
+        if spec.name == "recipe" and RECIPE_CHOICE_KEY in state:
+            choice = state[RECIPE_CHOICE_KEY]
+            out["recipe"] = str(state.get(OWN_RECIPE_KEY, "")).strip() if choice == OWN_RECIPE else choice
+        elif spec.name == "params" and PARAMS_ROWS_KEY in state:
+            out["params"] = params_from_editor(state[PARAMS_ROWS_KEY], state.get(state.get(PARAMS_EDITOR_KEY, "")))
+        elif spec.key in state:
             value = state[spec.key]
             if spec.kind == "int" and isinstance(value, float) and value.is_integer():
                 value = int(value)
@@ -105,6 +158,7 @@ def values_from_state(state: Any) -> dict[str, Any]:
 class FormResult:
     config: RunConfig | None
     errors: dict[str, list[str]]
+    details: dict[str, list[str]] = field(default_factory=dict)  # the user's traceback under a message
 
     @property
     def ok(self) -> bool:
@@ -124,10 +178,50 @@ def check_form(values: dict[str, Any], machine: Machine) -> FormResult:
     return FormResult(cfg, errors)
 
 
+def needs_check(cfg: RunConfig) -> bool:
+    """A recipe of the user's, or the user's data: checked in a child process before launch."""
+    return not cfg.uses_demo and not cfg.uses_script
+
+
+def failed_check(cfg: RunConfig, exc: ConfigInvalid) -> tuple[str, CheckResult]:
+    """What a refused launch found, kept like a check's result so it shows next to the fields."""
+    return cfg.to_json(), CheckResult(failures=[CheckFailure(e.field, e.message, e.detail) for e in exc.errors])
+
+
+def check_report(cfg: RunConfig, stored: tuple[str, CheckResult] | None) -> RecipeReport | None:
+    if stored is None or stored[0] != cfg.to_json():
+        return None
+    return stored[1].report
+
+
+def check_failed(cfg: RunConfig, stored: tuple[str, CheckResult] | None) -> bool:
+    return stored is not None and stored[0] == cfg.to_json() and bool(stored[1].failures)
+
+
+def with_check(result: FormResult, stored: tuple[str, CheckResult] | None) -> FormResult:
+    """The form's own findings, plus those of the last check when it checked this very config (a change to
+    any setting makes it stale: it is not shown)."""
+    if result.config is None or stored is None or stored[0] != result.config.to_json():
+        return result
+    errors = {k: list(v) for k, v in result.errors.items()}
+    details: dict[str, list[str]] = {}
+    for failure in stored[1].failures:
+        errors.setdefault(failure.field, []).append(failure.message)
+        if failure.detail:
+            details.setdefault(failure.field, []).append(failure.detail)
+    return FormResult(result.config, errors, details)
+
+
 def visible(spec: FieldSpec, values: dict[str, Any]) -> bool:
     if spec.name in MODEL_SECTION_FIELDS and (values.get("script") or values.get("module")):
         return False  # the script brings its own model
-    model = values.get("model", RunConfig.model)
+    model = values.get("recipe", RunConfig.recipe)
+    if spec.section == "Your data":
+        return spec.name in DATA_FIELDS.get(model, set())
+    if spec.name == "dataset":
+        return model in DEMO_RECIPES and len(dataset_choices(model)) > 2
+    if spec.name == "workdir":
+        return model not in BUILTIN_RECIPES or bool(values.get("script") or values.get("module"))
     if spec.name in SIZE_FIELDS:
         if spec.name == "num_samples":
             return model == "linear" or values.get("dataset") == "regression"
@@ -140,7 +234,7 @@ def visible(spec: FieldSpec, values: dict[str, Any]) -> bool:
 def dataset_choices(model: str) -> tuple[str, ...]:
     from ddpdash.trainer.config import MODEL_DATASETS
 
-    return ("auto", *MODEL_DATASETS[model])
+    return ("auto", *MODEL_DATASETS.get(model, ()))
 
 
 def amp_choices(machine: Machine, uses_cuda: bool) -> tuple[str, ...]:
@@ -183,7 +277,7 @@ def summary(cfg: RunConfig) -> dict[str, str]:
                          f" × {cfg.grad_accum_steps} accum"),
         "Effective lr": f"{cfg.effective_lr:g} ({lr_rule})",
         "Backend": cfg.resolved_backend,
-        "Memory (estimate)": estimate(cfg).text(),
+        "Memory (estimate)": estimate(cfg).text() if cfg.uses_demo else "your model's: Check shows its size",
     }
 
 

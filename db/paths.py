@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 def ddpdash_home() -> Path:
-    return Path(os.environ.get("DDPDASH_HOME") or Path.home() / ".ddpdash").expanduser()
+    # Absolute: ranks of a recipe run in the user's project folder, not where the launcher was started.
+    return Path(os.environ.get("DDPDASH_HOME") or Path.home() / ".ddpdash").expanduser().absolute()
 
 
 def runs_root() -> Path:

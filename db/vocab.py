@@ -68,8 +68,10 @@ class Metric:
     DATA_TIME = "data_time"
     LR = "lr"
     GPU_MEM_MB = "gpu_mem_mb"
-    VAL_LOSS = "val_loss"
-    VAL_ACC = "val_acc"
+    ACC = "acc"  # the built-in classification recipes' accuracy
+    VAL_PREFIX = "val_"  # a recipe's metrics over the validation set, e.g. val_acc
+    VAL_LOSS = VAL_PREFIX + LOSS
+    VAL_ACC = VAL_PREFIX + ACC
     EPOCH = "epoch"
 
     LIVE = (LOSS, SAMPLES_PER_S, TOKENS_PER_S, STEP_TIME, DATA_TIME, VAL_LOSS, VAL_ACC)

@@ -1,7 +1,9 @@
 """The `ddpdash` command line (the `ddpdash` console script): thin over process control and the queries.
 
-    ddpdash launch --num-procs 2 --model mlp --max-steps 200 --wait
+    ddpdash launch --num-procs 2 --recipe mlp --max-steps 200 --wait
     ddpdash launch --script train.py --num-procs 2 -- --epochs 3 --lr 0.1
+    ddpdash launch --recipe path/to/model.py:build --param width=128 --num-procs 2
+    ddpdash check --recipe table --data train.csv --target price        # the check alone: nothing is launched
     ddpdash runs | show RUN | stop RUN | logs RUN [--rank N] [--follow] | export RUN --format csv|json
     ddpdash ui [--port 8501] [--address 127.0.0.1]
 
@@ -26,6 +28,8 @@ from ddpdash.db.queries import EXPORT_FORMATS, events, export_points, rank_state
 from ddpdash.db.runs import RunNotFound, get_run, list_runs
 from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.config import (
+    RENAMED_KEYS,
+    ConfigError,
     ConfigInvalid,
     RunConfig,
     detect_machine,
@@ -55,18 +59,19 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("run settings (override --config; defaults in brackets)")
     default = RunConfig()
     for f in flag_fields():
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *(f"--{old}" for old, new in RENAMED_KEYS.items() if new == f.name)]
         kind = field_kind(f)
         help_text = f"{f.metadata['help']} [{getattr(default, f.name)!r}]".replace("%", "%%")
         if kind == "bool":
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
         elif kind == "choice":
-            group.add_argument(flag, dest=f.name, choices=field_choices(f), default=None, help=help_text)
+            group.add_argument(*flags, dest=f.name, choices=field_choices(f), default=None, help=help_text)
         elif kind == "int_list":
-            group.add_argument(flag, dest=f.name, type=_int_list, default=None, help=help_text, metavar="I,J")
+            group.add_argument(*flags, dest=f.name, type=_int_list, default=None, help=help_text, metavar="I,J")
         else:
             typ = {"int": int, "float": float, "str": str}[kind]
-            group.add_argument(flag, dest=f.name, type=typ, default=None, help=help_text)
+            group.add_argument(*flags, dest=f.name, type=typ, default=None, help=help_text)
 
 
 def flag_fields() -> list[Any]:
@@ -95,6 +100,23 @@ def cmd_launch(engine: Engine, args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     return wait_with_progress(engine, run_id)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Validate the settings and take one batch through the recipe, in a child process; print what it found."""
+    from ddpdash.trainer.config import check
+    from ddpdash.trainer.control import check_recipe
+
+    cfg = check(config_from_args(args), detect_machine())
+    if cfg.uses_script:
+        raise CliError("check is for recipes: a script is checked when it is launched (its file and folder)")
+    result = check_recipe(cfg)
+    if result.failures:
+        raise ConfigInvalid([ConfigError(f.field, f.message, f.detail) for f in result.failures])
+    assert result.report is not None
+    for label, value in result.report.lines():
+        print(f"{label + ':':<10} {value}")
+    return 0
 
 
 RECONCILE_EVERY_S = 5.0  # while waiting or following: a dead supervisor is noticed within seconds
@@ -276,19 +298,26 @@ def port_number(text: str) -> int:
 
 
 
+def add_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a JSON file of run settings; flags override it")
+    add_config_flags(p)
+    p.add_argument("--param", action="append", metavar="KEY=VALUE",
+                   help="a parameter of yours (repeatable): build(params) of your recipe, or ddpdash.init().params "
+                        "in your script; typed by value")
+    p.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARG",
+                   help="your script's own arguments, after -- (with --script or --module)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ddpdash", description="Configure, launch, watch and compare DDP runs.")
     p.add_argument("--db-url", help="SQLAlchemy URL (default: $DDPDASH_DB_URL or $DDPDASH_HOME/ddpdash.db)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     launch = sub.add_parser("launch", help="start a run (prints its id)")
-    launch.add_argument("--config", help="a JSON file of run settings; flags override it")
     launch.add_argument("--wait", action="store_true", help="show progress and exit with the run's outcome")
-    add_config_flags(launch)
-    launch.add_argument("--param", action="append", metavar="KEY=VALUE",
-                        help="a parameter of yours (repeatable): ddpdash.init().params, typed by value")
-    launch.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARG",
-                        help="your script's own arguments, after -- (with --script or --module)")
+    add_run_flags(launch)
+    add_run_flags(sub.add_parser("check", help="check a recipe: build it and take one batch through it (launches "
+                                               "nothing)"))
 
     runs = sub.add_parser("runs", help="list runs")
     runs.add_argument("--limit", type=int, default=50)
@@ -320,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "ui":
             return cmd_ui(args)
+        if args.command == "check":
+            return cmd_check(args)
         engine = open_store(args.db_url)
         from ddpdash.trainer.control import reconcile
 
@@ -328,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigInvalid as exc:
         for e in exc.errors:
             print(f"ddpdash: error: {e}", file=sys.stderr)
+            if e.detail:
+                print("  " + e.detail.rstrip().replace("\n", "\n  "), file=sys.stderr)
         return EXIT_BAD_INPUT
     except (CliError, RunNotFound, StoreError) as exc:
         print(f"ddpdash: error: {exc}", file=sys.stderr)

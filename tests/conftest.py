@@ -62,7 +62,7 @@ def make_run(engine: Engine, cfg: RunConfig | None = None, **kw: object) -> int:
 
 def tiny(**changes: object) -> RunConfig:
     """A config that trains for real but in a second or two on two CPU ranks."""
-    base = {"name": "tiny", "num_procs": 2, "model": "mlp", "width": 16, "depth": 1, "batch_size": 16,
+    base = {"name": "tiny", "num_procs": 2, "recipe": "mlp", "width": 16, "depth": 1, "batch_size": 16,
             "max_steps": 30, "log_every": 1, "checkpoint_every": 0, "sync_check_every": 10}
     return RunConfig.from_dict({**base, **changes})
 

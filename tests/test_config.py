@@ -65,11 +65,11 @@ def test_bf16_comm_hook_on_gloo() -> None:
 
 
 def test_dataset_must_fit_the_model() -> None:
-    assert "trains on text" in errors_for(model="transformer", dataset="digits")["dataset"]
+    assert "trains on text" in errors_for(recipe="transformer", dataset="digits")["dataset"]
 
 
 def test_heads_must_divide_width() -> None:
-    assert "must divide width" in errors_for(model="transformer", width=30, num_heads=4)["num_heads"]
+    assert "must divide width" in errors_for(recipe="transformer", width=30, num_heads=4)["num_heads"]
 
 
 def test_run_must_be_bounded() -> None:

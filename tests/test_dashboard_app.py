@@ -196,7 +196,7 @@ def test_runs_page_edits_tags_and_deletes_a_run(engine: Engine, home: Path) -> N
 
 # ---- Compare -----------------------------------------------------------------------------------
 def _three_runs(engine: Engine) -> list[int]:
-    base = RunConfig(name="scale", model="mlp")
+    base = RunConfig(name="scale", recipe="mlp")
     return [
         seed_run(engine, base.replace(name="w1", num_procs=1), speed_per_rank=1000.0),
         seed_run(engine, base.replace(name="w2", num_procs=2), speed_per_rank=900.0),

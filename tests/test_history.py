@@ -21,10 +21,10 @@ from tests.seed import seed_run
 @pytest.fixture
 def seeded(engine: Engine) -> dict[str, int]:
     ids = {
-        "a": seed_run(engine, RunConfig(name="alpha", model="mlp", num_procs=1), loss_scale=1.0, tags=("base",),
+        "a": seed_run(engine, RunConfig(name="alpha", recipe="mlp", num_procs=1), loss_scale=1.0, tags=("base",),
                       notes="first try"),
-        "b": seed_run(engine, RunConfig(name="beta", model="cnn", num_procs=2), loss_scale=0.5, status="failed"),
-        "c": seed_run(engine, RunConfig(name="gamma", model="mlp", num_procs=4), loss_scale=2.0, tags=("base", "big")),
+        "b": seed_run(engine, RunConfig(name="beta", recipe="cnn", num_procs=2), loss_scale=0.5, status="failed"),
+        "c": seed_run(engine, RunConfig(name="gamma", recipe="mlp", num_procs=4), loss_scale=2.0, tags=("base", "big")),
     }
     return ids
 
@@ -81,12 +81,12 @@ def test_config_diff_lists_exactly_the_differing_fields(engine: Engine, seeded: 
     with Session(engine) as s:
         runs = [get_run(s, i) for i in seeded.values()]
     diff = history.config_diff(runs)
-    assert set(diff["setting"]) == {"name", "model", "num_procs"}
-    assert diff.set_index("setting").loc["model"].tolist() == ["mlp", "cnn", "mlp"]
+    assert set(diff["setting"]) == {"name", "recipe", "num_procs"}
+    assert diff.set_index("setting").loc["recipe"].tolist() == ["mlp", "cnn", "mlp"]
 
 
 def test_scaling_efficiency_on_known_numbers(engine: Engine) -> None:
-    base = RunConfig(name="s", model="mlp")
+    base = RunConfig(name="s", recipe="mlp")
     ids = [seed_run(engine, base.replace(num_procs=1), speed_per_rank=1000.0),
            seed_run(engine, base.replace(num_procs=2), speed_per_rank=900.0),
            seed_run(engine, base.replace(num_procs=4), speed_per_rank=800.0)]

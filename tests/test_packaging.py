@@ -79,7 +79,7 @@ def test_a_cli_launch_and_a_hand_started_torchrun_work_beside_decoys(
 ) -> None:
     env = clean_env(home, db_url)
     launched = subprocess.run(
-        [str(installed / "bin" / "ddpdash"), "launch", "--num-procs", "2", "--model", "mlp", "--width", "16",
+        [str(installed / "bin" / "ddpdash"), "launch", "--num-procs", "2", "--recipe", "mlp", "--width", "16",
          "--depth", "1", "--batch-size", "16", "--max-steps", "20", "--name", "from-the-wheel", "--wait"],
         cwd=decoy_folder, env=env, capture_output=True, text=True, timeout=180)
     assert launched.returncode == 0, launched.stderr

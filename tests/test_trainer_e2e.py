@@ -82,7 +82,7 @@ def test_perturbed_replica_is_reported_as_desync(store) -> None:  # type: ignore
 def test_loss_falls_on_the_regression_task(store) -> None:  # type: ignore[no-untyped-def]
     engine, url, root = store
     run_dir = root / "linear"
-    result = torchrun_by_hand(tiny(model="linear", max_steps=60, lr=0.05), run_dir, url)
+    result = torchrun_by_hand(tiny(recipe="linear", max_steps=60, lr=0.05), run_dir, url)
     assert result.returncode == 0, result.stderr[-3000:]
     with Session(engine) as s:
         loss = metric_series(s, run_in_dir(engine, run_dir).id, "loss")
@@ -93,11 +93,11 @@ def test_loss_falls_on_the_regression_task(store) -> None:  # type: ignore[no-un
 @pytest.mark.parametrize(
     "changes",
     [
-        {"model": "cnn", "width": 8, "max_steps": 6},
-        {"model": "transformer", "width": 32, "depth": 1, "num_heads": 2, "seq_len": 32, "max_steps": 4},
-        {"model": "mlp", "amp": "bf16", "max_steps": 6},
-        {"model": "mlp", "grad_accum_steps": 2, "static_graph": True, "comm_hook": "fp16", "max_steps": 6},
-        {"model": "mlp", "comm_hook": "powersgd", "gradient_as_bucket_view": True, "max_steps": 6},
+        {"recipe": "cnn", "width": 8, "max_steps": 6},
+        {"recipe": "transformer", "width": 32, "depth": 1, "num_heads": 2, "seq_len": 32, "max_steps": 4},
+        {"recipe": "mlp", "amp": "bf16", "max_steps": 6},
+        {"recipe": "mlp", "grad_accum_steps": 2, "static_graph": True, "comm_hook": "fp16", "max_steps": 6},
+        {"recipe": "mlp", "comm_hook": "powersgd", "gradient_as_bucket_view": True, "max_steps": 6},
     ],
     ids=["cnn", "transformer", "bf16", "accum-static-fp16hook", "powersgd"],
 )
@@ -114,7 +114,7 @@ def test_models_and_ddp_options_train_on_both_ranks(store, changes) -> None:  # 
     assert sorted(loss["rank"].unique()) == [0, 1]
     assert loss.groupby("rank")["step"].max().tolist() == [changes["max_steps"]] * 2
     assert "desync" not in kinds and run.status == "succeeded"
-    assert (not tokens.empty) == (changes["model"] == "transformer")
+    assert (not tokens.empty) == (changes["recipe"] == "transformer")
 
 
 def test_a_second_run_in_the_same_folder_does_not_adopt_the_first_runs_checkpoint(store) -> None:  # type: ignore[no-untyped-def]

@@ -70,6 +70,10 @@ def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None
     env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.world_size, 1)))
     env["DDPDASH_DB_URL"] = db_url
     env["PYTHONUNBUFFERED"] = "1"
+    if not cfg.uses_script:
+        # The trainer runs in the user's project folder for their recipe: their `utils.py` must not stand in
+        # for a module of ours or torch's, so that folder is put on sys.path by the trainer, after its imports.
+        env["PYTHONSAFEPATH"] = "1"
     if cfg.devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in cfg.devices)
     return env
@@ -85,6 +89,21 @@ def script_env(cfg: RunConfig, run_id: int) -> dict[str, str]:
     env.update({f"DDPDASH_{name.upper()}": str(value) for name, value in chosen.items() if name != "params"})
     env.update({f"DDPDASH_PARAM_{key.upper()}": str(value) for key, value in cfg.parameters.items()})
     return env
+
+
+def rank_workdir(cfg: RunConfig, run_dir: RunDir) -> Path:
+    """Where the ranks run: the user's project folder for their script or recipe, else the run folder."""
+    from .config import script_workdir
+
+    if cfg.uses_script or cfg.uses_own_recipe:
+        return script_workdir(cfg)
+    return run_dir.path
+
+
+def check_argv(config: Path, report: Path, python: str = sys.executable) -> list[str]:
+    from .check import CHECK_MODULE
+
+    return [python, "-m", CHECK_MODULE, "--config", str(config), "--report", str(report)]
 
 
 def supervisor_argv(run_id: int, run_dir: RunDir, python: str = sys.executable) -> list[str]:

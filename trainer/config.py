@@ -22,7 +22,7 @@ from .mpi import NO_MPI_IN_TORCH
 Backend = Literal["auto", "nccl", "gloo", "mpi"]
 Amp = Literal["off", "bf16", "fp16"]
 Optimizer = Literal["sgd", "adam", "adamw"]
-Model = Literal["linear", "mlp", "cnn", "transformer"]
+Task = Literal["auto", "classification", "regression"]
 Dataset = Literal["auto", "regression", "digits", "text"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 
@@ -33,6 +33,14 @@ MODEL_DATASETS: dict[str, tuple[str, ...]] = {
     "cnn": ("digits",),
     "transformer": ("text",),
 }
+# Recipes ddpdash brings: the demo models on data that ships with Python and scikit-learn, and the two
+# for a user's data without code. Anything else is the user's own, named `path/to/file.py:build` or
+# `package.module:build`.
+DEMO_RECIPES = tuple(MODEL_DATASETS)
+DATA_RECIPES = ("table", "images")
+BUILTIN_RECIPES = (*DEMO_RECIPES, *DATA_RECIPES)
+# Keys that earlier versions stored under another name: their runs still open, clone and compare.
+RENAMED_KEYS = {"model": "recipe", "script_sha256": "code_sha256"}
 MAX_PROCS_PER_CORE = 4
 MAX_STEPS = 2**31 - 1  # steps are 32-bit integers in the store (PostgreSQL INTEGER)
 
@@ -51,7 +59,9 @@ class RunConfig:
                         min=1, max=1024)
     backend: Backend = _f("auto", "Process-group backend; auto = nccl with CUDA devices, else gloo; mpi where torch "
                              "was built with it (ranks started by mpirun).", "Devices")
-    model: Model = _f("mlp", "Model: linear (seed example), mlp/cnn (digits), transformer (text LM).", "Model")
+    recipe: str = _f("mlp", "What to train: a demo (linear: the seed example, mlp/cnn: digits, transformer: a text "
+                            "LM), your data (table, images), or your own recipe as path/to/file.py:build or "
+                            "package.module:build.", "Model")
     dataset: Dataset = _f("auto", "Data set; auto picks the model's own.", "Model")
     width: int = _f(64, "Hidden width (mlp units, cnn channels, transformer d_model).", "Model", min=1,
                     max=65_536)
@@ -59,6 +69,19 @@ class RunConfig:
     seq_len: int = _f(64, "Transformer context length in tokens.", "Model", min=2, max=4096)
     num_heads: int = _f(4, "Transformer attention heads (must divide width).", "Model", min=1, max=256)
     num_samples: int = _f(4096, "Synthetic regression samples.", "Model", min=16, max=100_000_000)
+    params: tuple[str, ...] = _f((), "Your parameters, key=value, one per line: build(params) of your recipe, or "
+                                     "ddpdash.init().params in your script; typed by value (int, float, "
+                                     "true/false, else text).", "Model", list=True)
+    data: str = _f("", "Your data: a CSV or Parquet file (table), or a folder with one sub-folder per class "
+                       "(images).", "Your data")
+    target: str = _f("", "The table's column to predict.", "Your data")
+    task: Task = _f("auto", "classification or regression; auto: classes when the target is text or a few "
+                            "whole numbers.", "Your data")
+    val_fraction: float = _f(0.2, "Share of your data held out for validation (split by the seed, the same on "
+                                  "every rank).", "Your data", min=0.0, max=0.9)
+    image_size: int = _f(32, "Images are resized to this many pixels square.", "Your data", min=8, max=1024)
+    arch: str = _f("cnn", "Image model: cnn (small, sized by width and depth) or a torchvision architecture "
+                          "by name (resnet18, …; needs torchvision), trained from scratch.", "Your data")
     batch_size: int = _f(32, "Batch size per rank (global batch = batch × ranks × accumulation).", min=1,
                         max=1_048_576)
     amp: Amp = _f("off", "Mixed precision: bf16 (CPU or recent GPU) or fp16 with GradScaler (CUDA).")
@@ -92,12 +115,11 @@ class RunConfig:
     module: str = _f("", "…or your module, run as python -m MODULE (e.g. mypkg.train).", "Your script")
     script_args: tuple[str, ...] = _f((), "Your script's arguments, one per line (never a shell string).",
                                       "Your script", list=True)
-    workdir: str = _f("", "Your script's working directory (default: the script's folder, or here for -m).",
-                      "Your script")
-    params: tuple[str, ...] = _f((), "Your parameters, key=value, one per line: ddpdash.init().params, typed by "
-                                     "value (int, float, true/false, else text).", "Your script", list=True)
-    script_sha256: str = _f("", "The script's content hash, recorded at launch: runs of different code tell apart.",
-                            "Your script", derived=True)
+    workdir: str = _f("", "Your project folder: the ranks' working directory, first on their import path "
+                          "(default: the script's or recipe's folder, or here for a module).", "Your script")
+    code_sha256: str = _f("", "Your script's or recipe's file content hash, recorded at launch: runs of "
+                              "different code tell apart.", "Your script", derived=True)
+    code_file: str = _f("", "The file your recipe's build() is in, found at launch.", "Your script", derived=True)
 
     def __post_init__(self) -> None:
         # Devices decide the world size when GPUs are chosen: one source, no second count to agree.
@@ -118,11 +140,27 @@ class RunConfig:
         return bool(self.script or self.module)
 
     @property
+    def uses_own_recipe(self) -> bool:
+        return not self.uses_script and self.recipe not in BUILTIN_RECIPES
+
+    @property
+    def uses_demo(self) -> bool:
+        """A demo recipe: built-in model and data, nothing of the user's to check before launch."""
+        return not self.uses_script and self.recipe in DEMO_RECIPES
+
+    @property
     def what(self) -> str:
-        """What the run trains, in a word: the built-in model, or the user's script or module."""
+        """What the run trains, in a word: the demo, the user's data or recipe, or their script or module."""
         if self.module:
             return f"-m {self.module}"
-        return Path(self.script).name if self.script else self.model
+        if self.script:
+            return Path(self.script).name
+        if self.recipe in DATA_RECIPES:
+            return f"{self.recipe} ({Path(self.data).name})"
+        if self.uses_own_recipe:
+            where, _, function = self.recipe.rpartition(":")
+            return f"{Path(where).name if where.endswith('.py') else where}:{function}"
+        return self.recipe
 
     @property
     def resolved_backend(self) -> str:
@@ -132,7 +170,8 @@ class RunConfig:
 
     @property
     def resolved_dataset(self) -> str:
-        return MODEL_DATASETS[self.model][0] if self.dataset == "auto" else self.dataset
+        datasets = MODEL_DATASETS.get(self.recipe, ("",))
+        return datasets[0] if self.dataset == "auto" else self.dataset
 
     @property
     def global_batch(self) -> int:
@@ -165,6 +204,8 @@ class RunConfig:
             raise ConfigInvalid([ConfigError("config", f"must be a JSON object, got {type(data).__name__}")])
         errors: list[ConfigError] = []
         known = {f.name: f for f in dataclasses.fields(cls)}
+        data = {RENAMED_KEYS.get(k, k): v for k, v in data.items()
+                if not (k in RENAMED_KEYS and RENAMED_KEYS[k] in data)}  # an old key beside its new one: the new
         for key in data:
             if key not in known:
                 errors.append(ConfigError("config", f"has an unknown setting {key!r}; known: {', '.join(known)}"))
@@ -300,6 +341,7 @@ def coerce_field(f: dataclasses.Field[Any], value: Any) -> Any:
 class ConfigError:
     field: str
     message: str
+    detail: str = ""  # the user's own traceback, when their code raised
 
     def __str__(self) -> str:
         return f"{self.field} {self.message}"
@@ -394,9 +436,9 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
     if cfg.comm_hook == "bf16" and cfg.resolved_backend != "nccl":
         err("comm_hook", "the bf16 compression hook needs CUDA and nccl; use fp16 or powersgd with gloo")
 
-    if cfg.dataset != "auto" and cfg.dataset not in MODEL_DATASETS[cfg.model]:
-        err("dataset", f"{cfg.model} trains on {' or '.join(MODEL_DATASETS[cfg.model])}, not {cfg.dataset}")
-    if cfg.model == "transformer" and cfg.width % max(cfg.num_heads, 1):
+    if not cfg.uses_script:
+        errors += recipe_errors(cfg)
+    if cfg.recipe == "transformer" and cfg.width % max(cfg.num_heads, 1):
         err("num_heads", f"must divide width ({cfg.width}); {cfg.num_heads} does not")
     if cfg.num_epochs == 0 and cfg.max_steps == 0:
         err("max_steps", "and num_epochs are both 0: set at least one so the run can end")
@@ -406,18 +448,53 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         key, sep, _ = entry.partition("=")
         if not sep or not key.strip().isidentifier():
             err("params", f"must be key=value with a name for a key, got {entry!r}")
+    if cfg.uses_script and cfg.recipe not in DEMO_RECIPES:
+        err("recipe", f"and {'script' if cfg.script else 'module'} are both set: your script brings its own model; "
+                      "clear one of them")
     if cfg.script and cfg.module:
         err("module", "and script are both set: choose one (a file, or a module run with -m)")
     if cfg.script_args and not cfg.uses_script:
         err("script_args", "are for your own script: set script (or module) too")
     if cfg.module and not all(part.isidentifier() for part in cfg.module.split(".")):
         err("module", f"must be a dotted module name like mypkg.train, got {cfg.module!r}")
-    if cfg.memory_check and not errors and not cfg.uses_script:  # a script's model is its own: no estimate
+    if cfg.memory_check and not errors and cfg.uses_demo:  # the user's own model: no estimate before the check
         why = memory_problem(cfg, machine)
         if why:
             err("memory_check", f"refuses this run: it {why}. Make it smaller, or turn memory_check off "
                                 "(--no-memory-check) to launch it anyway")
     return errors
+
+
+def recipe_errors(cfg: RunConfig) -> list[ConfigError]:
+    """What the recipe's name and its data settings say of themselves; the check (trainer/check.py) then
+    imports the recipe and takes a batch through it."""
+    errors: list[ConfigError] = []
+    if cfg.recipe not in BUILTIN_RECIPES and not is_recipe_spec(cfg.recipe):
+        errors.append(ConfigError("recipe", f"must be one of {', '.join(BUILTIN_RECIPES)}, or yours as "
+                                            f"path/to/file.py:build or package.module:build; got {cfg.recipe!r}"))
+    if cfg.dataset != "auto" and cfg.dataset not in MODEL_DATASETS.get(cfg.recipe, ()):
+        trains_on = " or ".join(MODEL_DATASETS.get(cfg.recipe, ("its own data",)))
+        errors.append(ConfigError("dataset", f"is for the demo recipes: {cfg.recipe} trains on {trains_on}, not "
+                                             f"{cfg.dataset} (leave it auto)"))
+    if cfg.recipe in DATA_RECIPES and not cfg.data.strip():
+        what = "a CSV or Parquet file" if cfg.recipe == "table" else "a folder with one sub-folder per class"
+        errors.append(ConfigError("data", f"must name your data for the {cfg.recipe} recipe: {what}"))
+    if cfg.recipe == "table" and not cfg.target.strip():
+        errors.append(ConfigError("target", "must name the table's column to predict"))
+    if cfg.data and cfg.recipe not in DATA_RECIPES:
+        errors.append(ConfigError("data", f"is read by the table and images recipes, not by {cfg.recipe}: "
+                                          "a recipe of yours loads its own data"))
+    if cfg.recipe == "images" and not (cfg.arch == "cnn" or cfg.arch.isidentifier()):
+        errors.append(ConfigError("arch", f"must be cnn or a torchvision model's name like resnet18, got {cfg.arch!r}"))
+    return errors
+
+
+def is_recipe_spec(text: str) -> bool:
+    """`path/to/file.py:build` or `package.module:build`."""
+    where, sep, function = text.rpartition(":")
+    if not sep or not function.isidentifier() or not where.strip():
+        return False
+    return where.endswith(".py") or all(part.isidentifier() for part in where.split("."))
 
 
 def memory_problem(cfg: RunConfig, machine: Machine) -> str | None:

@@ -23,14 +23,23 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from ddpdash.db.paths import default_db_url
 from ddpdash.db.vocab import EventKind, RunStatus
 
-from .commands import SHUTDOWN_TIMEOUT_S, SUPERVISOR_MODULE, supervisor_argv, torchrun_argv, torchrun_env
+from .check import CheckFailure, CheckResult
+from .commands import (
+    SHUTDOWN_TIMEOUT_S,
+    SUPERVISOR_MODULE,
+    check_argv,
+    rank_workdir,
+    supervisor_argv,
+    torchrun_argv,
+    torchrun_env,
+)
 from .config import (
     ConfigError,
     ConfigInvalid,
@@ -40,7 +49,6 @@ from .config import (
     check_script,
     module_not_found,
     script_file,
-    script_workdir,
 )
 from .rundir import RunDir, new_run_dir
 from .supervisor.priority import PriorityError, supervisor_nice
@@ -58,6 +66,8 @@ log = logging.getLogger(__name__)
 STOP_MARGIN_S = 2.0
 STALE_HEARTBEAT_S = 60.0
 QUEUED_GRACE_S = 30.0
+CHECK_TIMEOUT_S = 60.0  # a recipe's import, build and first batch; its data may take a while to read
+CHECK_TIMEOUT_ENV = "DDPDASH_CHECK_TIMEOUT_S"
 
 
 class LaunchError(RuntimeError):
@@ -80,7 +90,7 @@ def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | No
     from ddpdash.db.runs import create_run, finish_run, update_run
 
     check(cfg, machine)  # raises ConfigInvalid before anything is written
-    cfg = checked_script_config(cfg)
+    cfg = checked_recipe_config(checked_script_config(cfg))
     try:
         supervisor_nice()
     except PriorityError as exc:
@@ -125,7 +135,89 @@ def checked_script_config(cfg: RunConfig) -> RunConfig:
         raise ConfigInvalid([ConfigError("script" if cfg.script else "module",
                                          f"{path} cannot be read: {exc.strerror}")]) from exc
     name = path.stem if cfg.name == RunConfig().name else cfg.name
-    return cfg.replace(script=str(path) if cfg.script else "", script_sha256=digest, name=name)
+    return cfg.replace(script=str(path) if cfg.script else "", code_sha256=digest, name=name)
+
+
+def resolved_recipe_config(cfg: RunConfig) -> RunConfig:
+    """The config with the recipe's file, the project folder and the data as absolute paths: what the ranks
+    (which run elsewhere) and the check read."""
+    from .recipes import project_folder, recipe_path
+
+    changes: dict[str, str] = {}
+    if cfg.data:
+        changes["data"] = str(Path(cfg.data).expanduser().resolve())
+    if cfg.uses_own_recipe:
+        if cfg.recipe.rpartition(":")[0].endswith(".py"):
+            changes["recipe"] = f"{recipe_path(cfg)}:{cfg.recipe.rpartition(':')[2]}"
+        changes["workdir"] = str(project_folder(cfg))
+    return cfg.replace(**changes) if changes else cfg
+
+
+def check_timeout_s() -> float:
+    try:
+        return float(os.environ.get(CHECK_TIMEOUT_ENV, CHECK_TIMEOUT_S))
+    except ValueError:
+        return CHECK_TIMEOUT_S
+
+
+def check_recipe(cfg: RunConfig, timeout_s: float | None = None) -> CheckResult:
+    """Run the check (trainer/check.py) in a child process of its own session, killed whole at the time limit."""
+    import tempfile
+
+    cfg = resolved_recipe_config(cfg)
+    timeout_s = check_timeout_s() if timeout_s is None else timeout_s
+    with tempfile.TemporaryDirectory(prefix="ddpdash-check-") as tmp:
+        config, report = Path(tmp) / "config.json", Path(tmp) / "report.json"
+        config.write_text(cfg.to_json())
+        env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+        cwd = Path(cfg.workdir) if cfg.uses_own_recipe else Path(tmp)
+        if not cwd.is_dir():
+            return CheckResult(failures=[CheckFailure("workdir", f"{cwd} is not a folder")])
+        with open(Path(tmp) / "output.log", "w+b") as output:
+            proc = subprocess.Popen(check_argv(config, report), stdin=subprocess.DEVNULL, stdout=output,
+                                    stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the check and anything the recipe started
+                proc.wait()
+                return CheckResult(failures=[CheckFailure(
+                    "recipe", f"the check timed out after {timeout_s:g} s: importing or building the recipe, or "
+                              f"its first batch, took longer ({CHECK_TIMEOUT_ENV} sets the limit)",
+                    _tail(output))])
+            if report.exists():
+                return CheckResult.from_json(report.read_text())
+            return CheckResult(failures=[CheckFailure(
+                "recipe", f"the check's process exited with code {code} before it could report (did the recipe call "
+                          "sys.exit() or crash the interpreter?)", _tail(output))])
+
+
+def _tail(output: Any, limit: int = 4000) -> str:
+    output.seek(0)
+    return output.read().decode("utf-8", "replace")[-limit:]
+
+
+def checked_recipe_config(cfg: RunConfig) -> RunConfig:
+    """The config as stored, once its recipe checks out (nothing to check for the demos): absolute paths,
+    and for a recipe of the user's the file build() is in with its content hash, so two runs of different
+    code tell apart; named after that file unless named."""
+    if cfg.uses_demo or cfg.uses_script:
+        return cfg
+    result = check_recipe(cfg)
+    if result.failures:
+        raise ConfigInvalid([ConfigError(f.field, f.message, f.detail) for f in result.failures])
+    cfg = resolved_recipe_config(cfg)
+    assert result.report is not None
+    if not result.report.code_file:
+        return cfg
+    path = Path(result.report.code_file)
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ConfigInvalid([ConfigError("recipe", f"{path} cannot be read: {exc.strerror}")]) from exc
+    name = path.stem if cfg.name == RunConfig().name else cfg.name
+    return cfg.replace(code_file=str(path), code_sha256=digest, name=name)
 
 
 def _spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
@@ -144,7 +236,7 @@ def spawn_torchrun(cfg: RunConfig, run_dir: RunDir, run_id: int, db_url: str,
         return subprocess.Popen(
             torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             env={**torchrun_env(cfg, db_url, run_id=run_id), **relay_env},
-            cwd=script_workdir(cfg) if cfg.uses_script else run_dir.path,
+            cwd=rank_workdir(cfg, run_dir),
         )
 
 

@@ -78,7 +78,7 @@ def estimate(c: RunConfig) -> MemoryEstimate:
 
 def parameter_count(c: RunConfig) -> int:
     w, d = c.width, c.depth
-    model = c.model
+    model = c.recipe
     if model == "linear":
         return REGRESSION_FEATURES + 1
     if model == "mlp":
@@ -95,16 +95,16 @@ def parameter_count(c: RunConfig) -> int:
 def activation_bytes(c: RunConfig) -> int:
     """One micro-batch's activations kept for backward (half as many bytes under autocast)."""
     b, w, d = c.batch_size, c.width, c.depth
-    if c.model == "transformer":
+    if c.recipe == "transformer":
         # Korthikanti et al. (2022), per layer: s·b·h·(34 + 5·a·s/h) bytes in 16-bit, attention
         # scores included; doubled for fp32. Plus the embeddings and the logits over the vocabulary.
         s, a = c.seq_len, c.num_heads
         half_precision = s * b * w * (34 + 5 * a * s / w) * d + 2 * s * b * (w + VOCAB)
         total = 2 * half_precision
     else:
-        if c.model == "linear":
+        if c.recipe == "linear":
             values = b * (REGRESSION_FEATURES + 1)
-        elif c.model == "mlp":
+        elif c.recipe == "mlp":
             values = b * (DIGITS_FEATURES + 2 * w * d + DIGITS_CLASSES)
         else:
             values = b * (64 + 2 * w * 64 * d + 16 * w + DIGITS_CLASSES)

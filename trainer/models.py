@@ -25,12 +25,13 @@ class MLP(nn.Module):
 
 
 class SmallCNN(nn.Module):
-    def __init__(self, channels: int, depth: int, num_classes: int) -> None:
+    def __init__(self, channels: int, depth: int, num_classes: int, in_channels: int = 1, halve: bool = False) -> None:
+        """`halve`: pool to half the size after every layer (images larger than the digits' 8 × 8)."""
         super().__init__()
         layers: list[nn.Module] = []
-        c_in = 1
+        c_in = in_channels
         for _ in range(depth):
-            layers += [nn.Conv2d(c_in, channels, 3, padding=1), nn.ReLU()]
+            layers += [nn.Conv2d(c_in, channels, 3, padding=1), nn.ReLU(), *([nn.MaxPool2d(2)] if halve else [])]
             c_in = channels
         layers += [nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(channels * 16, num_classes)]
         self.net = nn.Sequential(*layers)
@@ -60,13 +61,13 @@ class TinyLM(nn.Module):
 
 
 def build(cfg: RunConfig, data: Data) -> nn.Module:
-    if cfg.model == "linear":
+    if cfg.recipe == "linear":
         return nn.Linear(10, 1)
-    if cfg.model == "mlp":
+    if cfg.recipe == "mlp":
         in_features = 1
         for d in data.input_shape:
             in_features *= d
         return MLP(in_features, data.num_classes or 1, cfg.width, cfg.depth)
-    if cfg.model == "cnn":
+    if cfg.recipe == "cnn":
         return SmallCNN(cfg.width, cfg.depth, data.num_classes)
     return TinyLM(256, cfg.width, cfg.depth, cfg.num_heads, cfg.seq_len)

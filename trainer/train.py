@@ -25,13 +25,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddpdash.db.vocab import EventKind, Metric, RankStatus
+from ddpdash.recipe import Recipe
 
 from . import mpi
 from .config import RunConfig
-from .data import Data, keep_batch, load
+from .data import Samples
 from .faults import Fault, InjectedFault, parse_faults
 from .metrics import RankLogger
-from .models import build
+from .recipes import batch_length, forward, load_recipe, to_device
 from .registry import RankPlace, open_logger, record_outcome_if_unsupervised, run_key
 from .rundir import RunDir
 
@@ -174,14 +175,6 @@ def register_comm_hook(cfg: RunConfig, ddp: DDP) -> None:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
-def loss_fn(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if task == "regression":
-        return nn.functional.mse_loss(out.float(), y)
-    if task == "lm":
-        return nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
-    return nn.functional.cross_entropy(out.float(), y)
-
-
 def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     if cfg.amp == "off":
         return contextlib.nullcontext()
@@ -190,23 +183,25 @@ def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContext
 
 
 @torch.no_grad()
-def evaluate(cfg: RunConfig, model: nn.Module, data: Data, device: torch.device) -> dict[str, float]:
+def evaluate(cfg: RunConfig, model: nn.Module, recipe: Recipe, device: torch.device) -> dict[str, float]:
+    """The recipe's loss and metrics over its whole validation set, each weighted by its batch's size."""
+    if recipe.val is None or len(recipe.val) == 0:
+        return {}
     model.eval()
-    loader = DataLoader(data.val, batch_size=max(cfg.batch_size, 64), collate_fn=keep_batch)
-    total, correct, count = 0.0, 0, 0
-    for x, y, _ in loader:
-        x, y = x.to(device), y.to(device)
+    loader = DataLoader(recipe.val, batch_size=max(cfg.batch_size, 64), collate_fn=recipe.collate_fn)
+    sums: dict[str, float] = {}
+    count = 0
+    for batch in loader:
+        batch = to_device(batch, device)
+        n = batch_length(batch) or 1
         with autocast(cfg, device):
-            out = model(x)
-        total += loss_fn(data.task, out, y).item() * len(x)
-        count += len(x)
-        if data.task == "classification":
-            correct += int((out.argmax(-1) == y).sum())
+            out = forward(recipe, model, batch)
+            values = {Metric.LOSS: recipe.loss(out, batch), **(recipe.metrics(out, batch) if recipe.metrics else {})}
+        for name, value in values.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * n
+        count += n
     model.train()
-    result = {Metric.VAL_LOSS: total / max(count, 1)}
-    if data.task == "classification":
-        result[Metric.VAL_ACC] = correct / max(count, 1)
-    return result
+    return {Metric.VAL_PREFIX + name: total / max(count, 1) for name, total in sums.items()}
 
 
 def param_checksums(model: nn.Module) -> torch.Tensor:
@@ -231,6 +226,8 @@ class Window:
     compute_s: float = 0.0
     data_s: float = 0.0
     loss_sum: torch.Tensor | None = None
+    micro_batches: int = 0
+    metric_sums: dict[str, Any] = field(default_factory=dict)  # the recipe's metrics, as tensors till a log step
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -240,7 +237,7 @@ class Trainee:
 
     cfg: RunConfig
     env: DistEnv
-    data: Data
+    recipe: Recipe
     module: nn.Module  # the replica itself: checkpoints and sync checks read it
     model: nn.Module  # what forward runs through: the DDP wrapper when distributed
     opt: torch.optim.Optimizer
@@ -251,25 +248,32 @@ class Trainee:
     checkpoint_path: Callable[[int], Path]  # where the checkpoint of a step goes
 
 
-def make_trainee(cfg: RunConfig, env: DistEnv, data: Data, run_key: str,
+def make_trainee(cfg: RunConfig, env: DistEnv, recipe: Recipe, run_key: str,
                  checkpoint_path: Callable[[int], Path]) -> Trainee:
-    torch.manual_seed(cfg.seed)  # same seed on every rank: replicas start identical
-    module = build(cfg, data).to(env.device)
+    module = recipe.model.to(env.device)
     return Trainee(
-        cfg, env, data, module, wrap_ddp(cfg, module, env), make_optimizer(cfg, module.parameters()),
+        cfg, env, recipe, module, wrap_ddp(cfg, module, env), make_optimizer(cfg, module.parameters()),
         torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16"),
         samples_per_step=cfg.batch_size * cfg.grad_accum_steps,
-        tokens_per_sample=cfg.seq_len if data.task == "lm" else 0, run_key=run_key,
-        checkpoint_path=checkpoint_path,
+        tokens_per_sample=recipe.tokens_per_sample, run_key=run_key, checkpoint_path=checkpoint_path,
     )
+
+
+def trainee_of(cfg: RunConfig, env: DistEnv, run_key: str, checkpoint_path: Callable[[int], Path]) -> Trainee:
+    torch.manual_seed(cfg.seed)  # same seed on every rank before the model is built: replicas start identical
+    return make_trainee(cfg, env, load_recipe(cfg), run_key, checkpoint_path)
 
 
 def make_loader(t: Trainee) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
     cfg, env = t.cfg, t.env
-    sampler = DistributedSampler(t.data.train, num_replicas=env.world_size, rank=env.rank, shuffle=True,
+    train_set = t.recipe.train
+    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    loader = DataLoader(t.data.train, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-                        collate_fn=keep_batch, drop_last=True, pin_memory=env.device.type == "cuda",
+    if len(sampler) < cfg.batch_size * cfg.grad_accum_steps:
+        raise ValueError(f"the train set has {len(train_set)} samples: {len(sampler)} per rank, fewer than one "
+                         f"step's {cfg.batch_size} × {cfg.grad_accum_steps} (batch × accumulation)")
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+                        collate_fn=t.recipe.collate_fn, drop_last=True, pin_memory=env.device.type == "cuda",
                         persistent_workers=cfg.num_workers > 0)
     return loader, sampler
 
@@ -281,7 +285,7 @@ def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, sto
     run writes its checkpoints as pending: the supervisor promotes one once every rank's metrics up to
     its step are stored, so a restart never resumes past metrics that were lost with a killed rank."""
     checkpoint_path = run_dir.pending_checkpoint if supervised else (lambda _step: run_dir.checkpoint)
-    t = make_trainee(cfg, env, load(cfg), run_key, checkpoint_path)
+    t = trainee_of(cfg, env, run_key, checkpoint_path)
     step = apply_checkpoint(checkpoint, t.module, t.opt, t.scaler) if checkpoint else 0
     loader, sampler = make_loader(t)
     steps_per_epoch = max(len(loader) // cfg.grad_accum_steps, 1)
@@ -308,7 +312,7 @@ def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, sto
             window = after_step(t, step, total, window, logger, run_dir)
         if step % steps_per_epoch == 0 or step >= total:
             if env.rank == 0:
-                logger.log(step, {**evaluate(cfg, t.module, t.data, env.device), Metric.EPOCH: float(epoch + 1)})
+                logger.log(step, {**evaluate(cfg, t.module, t.recipe, env.device), Metric.EPOCH: float(epoch + 1)})
             epoch += 1
     if sample_log is not None:
         sample_log.close()
@@ -321,22 +325,26 @@ def train_step(t: Trainee, step: int, batches: Iterator[Any], window: Window, ma
     cfg, env = t.cfg, t.env
     for g in t.opt.param_groups:
         g["lr"] = lr_at(cfg, step)
+    recipe = t.recipe
     for micro in range(cfg.grad_accum_steps):
         t0 = time.perf_counter()
-        x, y, idx = next(batches)
-        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        batch = to_device(next(batches), env.device)
         t1 = time.perf_counter()
         window.data_s += t1 - t0
-        if sample_log is not None:
-            sample_log.write(" ".join(map(str, idx.tolist())) + "\n")
+        if sample_log is not None and isinstance(recipe.train, Samples):  # its batches end with their indices
+            sample_log.write(" ".join(map(str, batch[-1].tolist())) + "\n")
         last_micro = micro == cfg.grad_accum_steps - 1
         sync_ctx = t.model.no_sync() if may_skip_sync and not last_micro else contextlib.nullcontext()
         with sync_ctx:
             with autocast(cfg, env.device):
-                loss = loss_fn(t.data.task, t.model(x), y) / cfg.grad_accum_steps
+                out = forward(recipe, t.model, batch)
+                loss = recipe.loss(out, batch) / cfg.grad_accum_steps
             t.scaler.scale(loss).backward()
         detached = loss.detach()
         window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
+        if recipe.metrics is not None:
+            add_metrics(window, recipe, out, batch)
+        window.micro_batches += 1
         window.compute_s += time.perf_counter() - t1
     t2 = time.perf_counter()
     t.scaler.step(t.opt)
@@ -345,6 +353,14 @@ def train_step(t: Trainee, step: int, batches: Iterator[Any], window: Window, ma
     window.compute_s += time.perf_counter() - t2
     window.steps += 1
     window.samples += t.samples_per_step
+
+
+@torch.no_grad()
+def add_metrics(window: Window, recipe: Recipe, out: Any, batch: Any) -> None:
+    assert recipe.metrics is not None
+    for name, value in recipe.metrics(out, batch).items():
+        value = value.detach() if isinstance(value, torch.Tensor) else float(value)
+        window.metric_sums[name] = window.metric_sums.get(name, 0.0) + value
 
 
 def after_step(t: Trainee, step: int, total: int, window: Window, logger: RankLogger, run_dir: RunDir) -> Window:
@@ -379,6 +395,8 @@ def window_metrics(w: Window, opt: torch.optim.Optimizer, env: DistEnv, tokens_p
         Metric.DATA_TIME: w.data_s / max(w.steps, 1),
         Metric.LR: float(opt.param_groups[0]["lr"]),
     }
+    for name, total in w.metric_sums.items():  # .item() of the recipe's tensors: here, at log steps only
+        values[name] = float(total) / max(w.micro_batches, 1)
     if tokens_per_sample:
         values[Metric.TOKENS_PER_S] = values[Metric.SAMPLES_PER_S] * tokens_per_sample
     if env.device.type == "cuda":
