@@ -189,11 +189,13 @@ def scaling_table(comp: Comparison) -> pd.DataFrame:
 
 
 def config_diff(runs: list[RunInfo]) -> pd.DataFrame:
-    """Only the settings that differ across the runs: one row per setting, one column per run."""
-    keys = sorted(set().union(*(r.config for r in runs)))
+    """Only the settings that differ across the runs: one row per setting, one column per run. Configs are read
+    as RunConfig where they parse, so one stored by an earlier version (`model` for `recipe`) compares alike."""
+    configs = [cfg.to_dict() if (cfg := run_config(r)) else r.config for r in runs]
+    keys = sorted(set().union(*configs))
     rows = []
     for key in keys:
-        values = [r.config.get(key) for r in runs]
+        values = [c.get(key) for c in configs]
         if any(json.dumps(v, sort_keys=True) != json.dumps(values[0], sort_keys=True) for v in values):
             rows.append({"setting": key, **{run_label(r): _cell(v) for r, v in zip(runs, values, strict=True)}})
     return pd.DataFrame(rows, columns=["setting", *(run_label(r) for r in runs)])

@@ -91,7 +91,7 @@ def test_the_example_script_launched_from_the_cli(engine: Engine, home: Path) ->
     run = only_run(engine)
     assert run.status == RunStatus.SUCCEEDED and run.name == "seed_script"
     assert run.config["script"] == str(EXAMPLE) and run.config["script_args"] == ["--epochs", "2"]
-    assert len(run.config["script_sha256"]) == 64
+    assert len(run.config["code_sha256"]) == 64
     per_rank = steps_of(engine, run.id)
     assert per_rank == {0: list(range(1, 65)), 1: list(range(1, 65))}  # 2048 samples / 2 ranks / 32, twice
     with Session(engine) as s:

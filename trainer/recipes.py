@@ -275,7 +275,8 @@ def own_recipe(cfg: RunConfig) -> Recipe:
     function = cfg.recipe.rpartition(":")[2]
     build_fn = getattr(module, function, None)
     if build_fn is None:
-        found = sorted(n for n in vars(module) if callable(vars(module)[n]) and not n.startswith("_"))
+        found = sorted(n for n, v in vars(module).items()  # its own functions, not what it imported
+                       if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
         raise RecipeError("recipe", f"{Path(module.__file__ or '?').name} has no {function!r}"
                                     + (f"; it has {', '.join(found[:8])}" if found else ""))
     if not callable(build_fn):
