@@ -12,10 +12,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import api_cost, chart_query, ingest, launch_latency, live_refresh, logging_overhead, trainer_vs_plain
+from bench import (
+    api_cost,
+    chart_query,
+    ingest,
+    launch_latency,
+    live_refresh,
+    logging_overhead,
+    recipe_check,
+    trainer_vs_plain,
+)
 from bench.common import Result, machine, mode, parser, print_results
 
-BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, trainer_vs_plain, launch_latency)
+BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, trainer_vs_plain, launch_latency,
+              recipe_check)
 
 
 def main() -> None:

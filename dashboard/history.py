@@ -15,7 +15,7 @@ from ddpdash.db.vocab import Metric
 from ddpdash.trainer.config import ConfigInvalid, RunConfig
 
 RUN_COLUMNS = ["id", "name", "status", "started", "duration_s", "world_size", "devices", "backend", "batch",
-               "global_batch", "amp", "model", "final_loss", "best_loss", "samples_per_s", "tags", "notes"]
+               "global_batch", "amp", "model", "code", "final_loss", "best_loss", "samples_per_s", "tags", "notes"]
 SORTABLE = ["id", "name", "status", "started", "duration_s", "world_size", "model", "final_loss", "best_loss",
             "samples_per_s"]
 X_AXES = {"step": "step", "samples": "samples seen", "time": "seconds since start"}
@@ -58,7 +58,7 @@ def runs_frame(s: Session) -> pd.DataFrame:
             "devices": (",".join(f"cuda:{d}" for d in cfg.devices) or f"{r.world_size}× cpu") if cfg else None,
             "backend": cfg.resolved_backend if cfg else None, "batch": cfg.batch_size if cfg else None,
             "global_batch": cfg.global_batch if cfg else None, "amp": cfg.amp if cfg else None,
-            "model": cfg.what if cfg else None,
+            "model": cfg.what if cfg else None, "code": cfg.code_sha256[:8] if cfg else None,  # tells code apart
             "final_loss": metrics.at[r.id, "final_loss"], "best_loss": metrics.at[r.id, "best_loss"],
             "samples_per_s": metrics.at[r.id, "samples_per_s"], "tags": ", ".join(r.tags), "notes": r.notes,
         })

@@ -389,3 +389,32 @@ def test_the_form_checks_a_recipe_and_shows_what_it_found(tmp_path: Path) -> Non
     messages = [e.value for e in at.error]
     assert "Recipe build() returned int, not a ddpdash.Recipe" in messages, messages  # next to the field
     assert any("Nothing was launched" in m for m in messages)
+
+
+def test_clone_fills_the_form_with_the_recipe_and_its_parameters(engine: Engine, tmp_path: Path) -> None:
+    from tests.conftest import make_run
+    from tests.test_dashboard_app import open_page
+
+    path = recipe_file(tmp_path / "proj")
+    cfg = small(f"{path}:build", params=("width=24", "tag=x")).replace(code_file=str(path), code_sha256="c0de" * 16)
+    run_id = make_run(engine, cfg)
+    at = open_page("views/new_run.py", clone=str(run_id))
+    assert at.selectbox(key=forms.RECIPE_CHOICE_KEY).value == forms.OWN_RECIPE
+    assert at.text_input(key=forms.OWN_RECIPE_KEY).value == f"{path}:build"
+    assert at.session_state[forms.PARAMS_ROWS_KEY] == [["width", "24"], ["tag", "x"]]
+    clone = RunConfig.from_dict(forms.values_from_state(at.session_state))
+    assert clone.params == cfg.params and clone.recipe == cfg.recipe and clone.name == "recipe-test-clone"
+    assert f"{path}:build" in " ".join(c.value for c in at.code)  # the `ddpdash launch` preview carries it
+    assert "--param width=24 --param tag=x" in " ".join(c.value for c in at.code)
+
+
+@pytest.mark.slow
+def test_a_user_recipe_takes_amp_accumulation_and_a_comm_hook(engine: Engine, tmp_path: Path) -> None:
+    path = recipe_file(tmp_path / "proj")
+    cfg = small(f"{path}:build", amp="bf16", grad_accum_steps=2, comm_hook="fp16", bucket_cap_mb=1.0, max_steps=12)
+    run = wait_final(engine, launch(engine, cfg, CPU_MACHINE), timeout=240)
+    assert run.status == RunStatus.SUCCEEDED, run.error
+    with Session(engine) as s:
+        samples = metric_series(s, run.id, "samples_per_s", max_points=1000)
+        ev = events(s, run.id)
+    assert set(samples["rank"]) == {0, 1} and EventKind.DESYNC not in ev["kind"].tolist()

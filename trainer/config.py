@@ -163,6 +163,14 @@ class RunConfig:
         return self.recipe
 
     @property
+    def provenance(self) -> str:
+        """What the run trains and from which code: the recipe or script, its file and content hash."""
+        file = self.code_file or self.script
+        parts = [self.what, *([file] if file and file not in self.what else []),
+                 *([f"sha256 {self.code_sha256[:12]}"] if self.code_sha256 else [])]
+        return " · ".join(parts)
+
+    @property
     def resolved_backend(self) -> str:
         if self.backend == "auto":
             return "nccl" if self.uses_cuda else "gloo"

@@ -86,6 +86,9 @@ def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
     with left:
         st.markdown(f"## {md_escape(run.name)}  :{STATUS_COLORS.get(run.status, 'gray')}-badge[{run.status}]",
                     help=f"run id {run.id} · folder {run.run_dir}")
+        cfg = history.run_config(run)
+        if cfg is not None:
+            st.caption(f"Trains {md_escape(cfg.provenance)}")
         prog = livedata.progress(run, states)
         st.progress(prog.fraction, text=prog.text())
     with right:
