@@ -48,6 +48,21 @@ class Run(Base):
     error: Mapped[str] = mapped_column(Text, default="")
     tags: Mapped[str] = mapped_column(Text, default="")
     notes: Mapped[str] = mapped_column(Text, default="")
+    # The queue (trainer/queue.py): a queued run waits, in queue_order, until it is admitted.
+    queue_order: Mapped[float] = mapped_column(Float, default=0.0)
+    admitted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    sweep: Mapped[str] = mapped_column(String(100), default="", index=True)
+    group_name: Mapped[str] = mapped_column(String(200), default="", index=True)
+
+
+class QueueLock(Base):
+    """One row, updated first in every queue decision: the update holds the row's lock (PostgreSQL) or the
+    database's write lock (SQLite) till commit, so two processes never admit runs onto the same devices."""
+
+    __tablename__ = "queue_lock"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    decisions: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class MetricChunk(Base):

@@ -8,10 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from .models import MetricChunk, MetricRollup, RankState, Run, RunEvent
+from .models import MetricChunk, MetricRollup, QueueLock, RankState, Run, RunEvent
 from .vocab import RunStatus
 
 
@@ -44,6 +44,10 @@ class RunInfo:
     error: str
     tags: tuple[str, ...]
     notes: str
+    queue_order: float = 0.0
+    admitted_at: float | None = None
+    sweep: str = ""
+    group_name: str = ""
 
     @property
     def is_active(self) -> bool:
@@ -67,18 +71,23 @@ def _info(r: Run) -> RunInfo:
         started_at=r.started_at, ended_at=r.ended_at, heartbeat_at=r.heartbeat_at, total_steps=r.total_steps,
         supervisor_pid=r.supervisor_pid, torchrun_pid=r.torchrun_pid, worker_pids=_ints(r.worker_pids),
         exit_code=r.exit_code, failed_ranks=_ints(r.failed_ranks), error=r.error,
-        tags=tuple(t for t in r.tags.split(",") if t), notes=r.notes,
+        tags=tuple(t for t in r.tags.split(",") if t), notes=r.notes, queue_order=r.queue_order,
+        admitted_at=r.admitted_at, sweep=r.sweep, group_name=r.group_name,
     )
 
 
 def create_run(
     s: Session, *, key: str, name: str, config_json: str, world_size: int, run_dir: str = "", host: str = "",
-    status: str = RunStatus.QUEUED,
+    status: str = RunStatus.QUEUED, sweep: str = "", group_name: str = "", admitted: bool = True,
 ) -> int:
+    """A new run. A launched run is created waiting (`admitted=False`) and the queue admits it; a run
+    registered by its own ranks is running already, outside the queue."""
+    now = time.time()
     return int(s.execute(
         insert(Run).values(
             key=key, name=name, status=status, config_json=config_json, world_size=world_size,
-            run_dir=run_dir, host=host, created_at=time.time(),
+            run_dir=run_dir, host=host, created_at=now, queue_order=now, admitted_at=now if admitted else None,
+            sweep=sweep, group_name=group_name,
         ).returning(Run.id)
     ).scalar_one())
 
@@ -135,6 +144,22 @@ def list_runs(s: Session, *, statuses: tuple[str, ...] | None = None, limit: int
     if limit:
         q = q.limit(limit)
     return [_info(r) for r in s.execute(q).scalars()]
+
+
+# ---- the queue's rows (trainer/queue.py decides) ---------------------------------------------------------
+def lock_queue(s: Session) -> None:
+    """First in a queue decision's transaction: holds the queue lock row until it commits."""
+    s.execute(update(QueueLock).where(QueueLock.id == 1).values(decisions=QueueLock.decisions + 1))
+
+
+def front_of_queue(s: Session) -> float | None:
+    """The queue_order of the first waiting run."""
+    return s.scalar(select(func.min(Run.queue_order)).where(Run.status == RunStatus.QUEUED,
+                                                            Run.admitted_at.is_(None)))
+
+
+def sweep_run_ids(s: Session, sweep: str) -> list[int]:
+    return list(s.scalars(select(Run.id).where(Run.sweep == sweep).order_by(Run.id)))
 
 
 def delete_run_rows(s: Session, run_id: int) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 class RunStatus:
     """A run's status. Written in few places (docs/architecture.md lists them): the launcher (queued),
-    the supervisor (running, and the outcome), stop (stopping, stopped), reconciliation (lost), and rank 0
-    of a run without a supervisor."""
+    the supervisor (running, and the outcome), stop (stopping, stopped), the queue (cancelled),
+    reconciliation (lost), and rank 0 of a run without a supervisor."""
 
     QUEUED = "queued"
     RUNNING = "running"
@@ -20,9 +20,10 @@ class RunStatus:
     FAILED = "failed"
     STOPPED = "stopped"
     LOST = "lost"
+    CANCELLED = "cancelled"  # taken out of the queue before it started
 
     ACTIVE = (QUEUED, RUNNING, STOPPING)
-    FINAL = (SUCCEEDED, FAILED, STOPPED, LOST)
+    FINAL = (SUCCEEDED, FAILED, STOPPED, LOST, CANCELLED)
     ALL = (*ACTIVE, *FINAL)
 
 
@@ -41,6 +42,9 @@ class RankStatus:
 class EventKind:
     """What a run's event says happened."""
 
+    QUEUED = "queued"  # the run waits for the machine's capacity (trainer/queue.py)
+    ADMITTED = "admitted"  # the queue gave it its devices or cores; its supervisor starts
+    CANCELLED = "cancelled"  # taken out of the queue
     LAUNCHED = "launched"  # the supervisor started torchrun
     STARTED = "started"  # rank 0 is training
     RESTART = "restart"  # a restarted attempt resumes from the checkpoint

@@ -4,6 +4,8 @@
     ddpdash launch --script train.py --num-procs 2 -- --epochs 3 --lr 0.1
     ddpdash launch --recipe path/to/model.py:build --param width=128 --num-procs 2
     ddpdash check --recipe table --data train.csv --target price        # the check alone: nothing is launched
+    ddpdash sweep --grid num_procs=1,2 --grid batch_size=32,64 --seeds 2 --max-steps 200
+    ddpdash queue [--cancel RUN | --front RUN] | stop --sweep NAME
     ddpdash runs | show RUN | stop RUN | logs RUN [--rank N] [--follow] | export RUN --format csv|json
     ddpdash ui [--port 8501] [--address 127.0.0.1]
 
@@ -220,10 +222,47 @@ def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:
-    from ddpdash.trainer.control import stop
+    from ddpdash.trainer.control import stop, stop_sweep
 
+    if args.sweep:
+        for run_id, status in stop_sweep(engine, args.sweep).items():
+            print(f"run {run_id} {status}")
+        return 0
+    if args.run is None:
+        raise CliError("name a RUN to stop, or --sweep NAME")
     status = stop(engine, args.run)
     print(f"run {args.run} {status}")
+    return 0
+
+
+def cmd_sweep(engine: Engine, args: argparse.Namespace) -> int:
+    from ddpdash.trainer.sweep import launch_sweep, parse_axis
+
+    axes = [parse_axis(text) for text in args.grid]
+    name, ids = launch_sweep(engine, config_from_args(args), axes, args.seeds, detect_machine(), args.sweep_name)
+    print(f"sweep {name}: {len(ids)} run(s) queued: {' '.join(map(str, ids))}", flush=True)
+    if not args.wait:
+        return 0
+    return 0 if all(wait_with_progress(engine, run_id) == 0 for run_id in ids) else 1
+
+
+def cmd_queue(engine: Engine, args: argparse.Namespace) -> int:
+    from ddpdash.trainer.queue import cancel, move_to_front, waiting_states
+
+    if args.cancel is not None:
+        print(f"run {args.cancel} " + ("cancelled" if cancel(engine, args.cancel) else "is not waiting in the queue"))
+        return 0
+    if args.front is not None:
+        moved = move_to_front(engine, args.front)
+        print(f"run {args.front} " + ("is first in line" if moved else "is not waiting in the queue"))
+        return 0
+    with Session(engine) as s:
+        waiting = waiting_states(s)
+        names = {r.id: r.name for r in list_runs(s, statuses=(RunStatus.QUEUED,))}
+    if not waiting:
+        print("the queue is empty: nothing waits for this machine")
+    for run_id, (position, reason) in sorted(waiting.items(), key=lambda kv: kv[1][0]):
+        print(f"{position:>3}. run {run_id} {names.get(run_id, '')}: {reason}")
     return 0
 
 
@@ -321,8 +360,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     runs = sub.add_parser("runs", help="list runs")
     runs.add_argument("--limit", type=int, default=50)
-    for name, help_text in (("show", "a run's status, ranks, events and config"), ("stop", "stop a run")):
-        sub.add_parser(name, help=help_text).add_argument("run", type=int, metavar="RUN")
+    sub.add_parser("show", help="a run's status, ranks, events and config").add_argument("run", type=int,
+                                                                                         metavar="RUN")
+    stop = sub.add_parser("stop", help="stop a run (a queued one is cancelled), or every run of a sweep")
+    stop.add_argument("run", type=int, metavar="RUN", nargs="?")
+    stop.add_argument("--sweep", help="stop every run of this sweep, queued or running")
+    sweep = sub.add_parser("sweep", help="queue a grid of runs: --grid setting=v1,v2 (repeatable), --seeds N")
+    sweep.add_argument("--grid", action="append", default=[], metavar="SETTING=V1,V2",
+                       help="a setting and its values (param.KEY for your parameters, arg.--option for your "
+                            "script's); values split on commas, or on semicolons when one holds a comma")
+    sweep.add_argument("--seeds", type=int, default=1, help="runs per grid point, seeds seed, seed+1, … [1]")
+    sweep.add_argument("--sweep-name", default="", help="the sweep's name [sweep-DATE-TIME]")
+    sweep.add_argument("--wait", action="store_true", help="wait until every run has ended; exit 0 if all succeeded")
+    add_run_flags(sweep)
+    queue = sub.add_parser("queue", help="the runs waiting for this machine: position and what each waits for")
+    queue.add_argument("--cancel", type=int, metavar="RUN", help="take a waiting run out of the queue")
+    queue.add_argument("--front", type=int, metavar="RUN", help="move a waiting run to the front")
     logs = sub.add_parser("logs", help="a rank's log")
     logs.add_argument("run", type=int, metavar="RUN")
     logs.add_argument("--rank", type=int, default=0)
@@ -341,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"launch": cmd_launch, "runs": cmd_runs, "show": cmd_show, "stop": cmd_stop, "logs": cmd_logs,
-            "export": cmd_export}
+            "export": cmd_export, "sweep": cmd_sweep, "queue": cmd_queue}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("DDPDASH_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("DDPDASH_DB_URL", raising=False)
     monkeypatch.delenv("DDPDASH_TEST_FAULT", raising=False)
+    # Room for every run a test starts at once; the queue's own tests set the capacity they test.
+    monkeypatch.setenv("DDPDASH_CPU_SLOTS", "64")
     return tmp_path / "home"
 
 

@@ -52,6 +52,7 @@ def _f(default: Any, help: str, section: str = "Training", **extra: Any) -> Any:
 @dataclass(frozen=True)
 class RunConfig:
     name: str = _f("ddp-run", "A name to find the run by.", "Run")
+    group: str = _f("", "A group to find and compare runs by (a sweep gives each of its grid points one).", "Run")
     devices: tuple[int, ...] = _f(
         (), "CUDA device indices, one rank each (empty: CPU processes).", "Devices", list=True
     )
@@ -404,6 +405,8 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         err("name", "must not be empty")
     elif len(cfg.name) > 200 or not cfg.name.isprintable():
         err("name", "must be at most 200 printable characters")
+    if len(cfg.group) > 200 or not cfg.group.isprintable():
+        err("group", "must be at most 200 printable characters")
 
     if cfg.devices:
         if len(set(cfg.devices)) != len(cfg.devices):

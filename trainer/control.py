@@ -3,7 +3,7 @@ string), each in a session of its own, logging to files in the run folder; and e
 reconciliation happens here. Runs in the dashboard's and the CLI's processes (and the supervisor's,
 to start torchrun).
 
-    launch(engine, cfg, machine) -> run id   validates, records the run, starts a detached supervisor
+    launch(engine, cfg, machine) -> run id   validates, queues the run; the queue starts its supervisor
     stop(engine, run_id)                     SIGTERM through the supervisor; survivors are killed
     reconcile(engine)                        runs whose supervisor is gone become `lost`
     delete_run(engine, run_id)               a finished run's rows and the folder ddpdash made
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -83,37 +84,72 @@ class DeleteError(RuntimeError):
 
 
 # ---- launching -------------------------------------------------------------------------------
-def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | None = None) -> int:
-    """Validate, record the run (queued), start its detached supervisor and return the run id at once."""
-    from sqlalchemy.orm import Session
+def launch(engine: Engine, cfg: RunConfig, machine: Machine, *, db_url: str | None = None, sweep: str = "") -> int:
+    """Validate, record the run in the queue with its folder and config, and return its id at once; the
+    queue (trainer/queue.py) starts its detached supervisor now if the machine has room, else later."""
+    return enqueue(engine, prepare(cfg, machine), db_url=db_url, sweep=sweep)
 
-    from ddpdash.db.runs import create_run, finish_run, update_run
 
-    check(cfg, machine)  # raises ConfigInvalid before anything is written
+def prepare(cfg: RunConfig, machine: Machine) -> RunConfig:
+    """The config as it will be stored, once every check passed; raises ConfigInvalid before anything is
+    written (LaunchError for what is wrong with this machine rather than the settings)."""
+    check(cfg, machine)
     cfg = checked_recipe_config(checked_script_config(cfg))
     try:
         supervisor_nice()
     except PriorityError as exc:
         raise LaunchError(str(exc)) from exc
+    return cfg
+
+
+def enqueue(engine: Engine, cfg: RunConfig, *, db_url: str | None = None, sweep: str = "") -> int:
+    """Queue a prepared config: its row (waiting), folder, config file and the launcher's environment."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, create_run, update_run
+
+    from .queue import dispatch
+
     db_url = db_url or engine.url.render_as_string(hide_password=False) or default_db_url()
     key = f"ddpdash-{uuid.uuid4()}"
     with Session(engine) as s, s.begin():
         run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=cfg.world_size,
-                            host=socket.gethostname())
+                            host=socket.gethostname(), sweep=sweep, group_name=cfg.group, admitted=False)
     run_dir = new_run_dir(run_id)
     run_dir.config.write_text(cfg.to_json())
-    try:
-        proc = _spawn(supervisor_argv(run_id, run_dir), run_dir.supervisor_log,
-                      torchrun_env(cfg, db_url, run_key=key), cwd=run_dir.path)
-    except OSError as exc:
-        with Session(engine) as s, s.begin():
-            finish_run(s, run_id, RunStatus.FAILED, error=f"could not start the supervisor: {exc}")
-        raise LaunchError(f"could not start the supervisor: {exc}") from exc
+    env = torchrun_env(cfg, db_url, run_key=key)
+    fd = os.open(run_dir.launch_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold a password
+    with os.fdopen(fd, "w") as f:
+        json.dump(env, f)
     with Session(engine) as s, s.begin():
-        update_run(s, run_id, run_dir=str(run_dir.path), supervisor_pid=proc.pid)
+        update_run(s, run_id, run_dir=str(run_dir.path))
+        add_event(s, run_id, EventKind.QUEUED, "queued")
+    dispatch(engine)
+    return run_id
+
+
+def start_supervisor(engine: Engine, run_id: int) -> None:
+    """Start an admitted run's detached supervisor with its launcher's environment (called by the queue)."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, finish_run, get_run, update_run
+
+    with Session(engine) as s:
+        run = get_run(s, run_id)
+    run_dir = RunDir(Path(run.run_dir))
+    try:
+        env = json.loads(run_dir.launch_env.read_text())
+        proc = _spawn(supervisor_argv(run_id, run_dir), run_dir.supervisor_log, env, cwd=run_dir.path)
+    except (OSError, ValueError) as exc:
+        with Session(engine) as s, s.begin():
+            if finish_run(s, run_id, RunStatus.FAILED, error=f"could not start the supervisor: {exc}"):
+                add_event(s, run_id, EventKind.FAILED, f"could not start the supervisor: {exc}")
+        return
+    with Session(engine) as s, s.begin():
+        update_run(s, run_id, supervisor_pid=proc.pid)
+    run_dir.launch_env.unlink(missing_ok=True)  # the supervisor has it now
     # Reap it when it ends so it never lingers as a zombie of a long-lived dashboard.
     threading.Thread(target=proc.wait, daemon=True).start()
-    return run_id
 
 
 def checked_script_config(cfg: RunConfig) -> RunConfig:
@@ -298,10 +334,14 @@ def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + ST
 
     from ddpdash.db.runs import add_event, finish_run, get_run, update_run
 
+    from .queue import cancel
+
     with Session(engine) as s:
         run = get_run(s, run_id)
     if run.status in RunStatus.FINAL:
         return run.status
+    if run.host in ("", socket.gethostname()) and cancel(engine, run_id):
+        return RunStatus.CANCELLED  # it was waiting in the queue: nothing ran
     if run.host not in ("", socket.gethostname()):
         raise StopError(f"run {run_id} runs on host {run.host}; stop it from there (ddpdash stop {run_id})")
     with Session(engine) as s, s.begin():
@@ -330,6 +370,26 @@ def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + ST
         return get_run(s, run_id).status
 
 
+def stop_sweep(engine: Engine, sweep: str) -> dict[int, str]:
+    """Stop every run of a sweep: the waiting ones are cancelled first (so none starts meanwhile), then the
+    running ones stopped. Returns each run's final status."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import sweep_run_ids
+
+    from .queue import cancel
+
+    with Session(engine) as s:
+        ids = sweep_run_ids(s, sweep)
+    if not ids:
+        raise StopError(f"no sweep named {sweep!r}")
+    out = {run_id: RunStatus.CANCELLED for run_id in ids if cancel(engine, run_id)}
+    for run_id in ids:
+        if run_id not in out:
+            out[run_id] = stop(engine, run_id)
+    return out
+
+
 # ---- reconciliation --------------------------------------------------------------------------
 def reconcile(engine: Engine, now: float | None = None) -> list[int]:
     """Mark runs `lost` whose supervisor is gone (killing what is left of them) or, on another host,
@@ -354,6 +414,10 @@ def reconcile(engine: Engine, now: float | None = None) -> list[int]:
             if finish_run(s, run.id, RunStatus.LOST, error=reason):
                 add_event(s, run.id, EventKind.LOST, reason)
                 lost.append(run.id)
+    if any(r.status == RunStatus.QUEUED and r.admitted_at is None and r.host == host for r in active):
+        from .queue import dispatch
+
+        dispatch(engine)  # a run whose supervisor died never handed its devices on: waiting runs may fit now
     return lost
 
 
@@ -373,8 +437,8 @@ def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None
             return None
         return f"the supervisor (pid {run.supervisor_pid}) is gone while the run was {run.status}"
     if run.status == RunStatus.QUEUED and run.supervisor_pid is None:
-        if now - run.created_at < QUEUED_GRACE_S:
-            return None  # launch() has not recorded the supervisor yet
+        if run.admitted_at is None or now - run.admitted_at < QUEUED_GRACE_S:
+            return None  # waiting in the queue, or admitted and its supervisor not yet recorded
         return "its supervisor never started"
     if run.host == host and any(processes):
         # Its processes are known here: they are the truth (a script that never logs has no heartbeat).

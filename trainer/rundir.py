@@ -5,6 +5,8 @@
         checkpoint.pt        the checkpoint a restarted attempt resumes from
         checkpoint.pending-NNNNNNNNNN.pt   a newer one, not yet every rank's metrics up to its step are
                              stored; the supervisor promotes it to checkpoint.pt once they are
+        launch.env.json      the launcher's environment, kept (mode 0600) while the run waits in the queue, so
+                             its supervisor starts as if launched then, whoever admits it; removed at start
         supervisor.log       the supervisor's own log
         torchrun.log         torchrun's output
         logs/<rdzv>_<rand>/attempt_<n>/<local_rank>/{stdout,stderr}.log, error.json   (torchrun's layout)
@@ -57,6 +59,10 @@ class RunDir:
             if digits.isdecimal():
                 found.append((int(digits), path))
         return sorted(found)
+
+    @property
+    def launch_env(self) -> Path:
+        return self.path / "launch.env.json"
 
     @property
     def supervisor_log(self) -> Path:

@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddpdash.db.paths import default_db_url
 from ddpdash.db.vocab import EventKind, RunStatus
@@ -23,6 +24,9 @@ from ..control import descendants, spawn_torchrun, terminate_run
 from ..relay import Listener
 from ..rundir import RunDir
 from .priority import DEFAULT_SUPERVISOR_NICE, PriorityError, supervisor_nice
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +68,24 @@ def main(argv: list[str] | None = None) -> int:
         with Session(engine) as s, s.begin():
             if finish_run(s, args.run_id, RunStatus.FAILED, error=f"supervisor error on {socket.gethostname()}: {exc}"):
                 add_event(s, args.run_id, EventKind.FAILED, f"supervisor error: {exc}")
+        _hand_on(engine)
         return 1
     log.info("run %d %s", args.run_id, status)
+    _hand_on(engine)
     return 0
+
+
+def _hand_on(engine: Engine) -> None:
+    """The run's devices are free: the queue admits what waits for them (whether or not a dashboard is open)."""
+    from ..queue import dispatch
+
+    try:
+        started = dispatch(engine)
+    except Exception:  # the outcome is recorded; the next launch, cancel or reconcile dispatches again
+        log.exception("could not hand the machine on to the queue")
+        return
+    if started:
+        log.info("started queued run(s) %s", started)
 
 
 def _nice() -> int:
