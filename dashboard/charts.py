@@ -133,8 +133,9 @@ def validation_chart(df: pd.DataFrame, what: str = "accuracy") -> alt.Chart:
 
 
 def overlay_chart(data: pd.DataFrame, x_title: str = "step", smoothing: float = 0.0, log_scale: bool = False,
-                  band: bool = True) -> alt.LayerChart | alt.Chart:
-    """Loss of several runs on one axis, one colour per run; the min–max band over ranks behind each line."""
+                  band: bool = True, legend: str = "run") -> alt.LayerChart | alt.Chart:
+    """Loss of several runs (or groups of runs: `legend`) on one axis, one colour each; the band behind each
+    line (min–max over ranks, or the group's band across its runs)."""
     data = data.sort_values(["series", "x"]).copy()
     if smoothing > 0 and not data.empty:
         data["value"] = data.groupby("series")["value"].transform(lambda v: ema(v, smoothing))
@@ -145,16 +146,16 @@ def overlay_chart(data: pd.DataFrame, x_title: str = "step", smoothing: float = 
     line = base.mark_line().encode(
         x=alt.X("x:Q", title=x_title),
         y=alt.Y("value:Q", title="loss", scale=scale),
-        color=alt.Color("series:N", title="run"),
-        tooltip=[alt.Tooltip("series:N", title="run"), alt.Tooltip("x:Q", title=x_title, format=",.4g"),
+        color=alt.Color("series:N", title=legend),
+        tooltip=[alt.Tooltip("series:N", title=legend), alt.Tooltip("x:Q", title=x_title, format=",.4g"),
                  alt.Tooltip("value:Q", title="loss", format=".4g"),
-                 alt.Tooltip("lo:Q", title="min over ranks", format=".4g"),
-                 alt.Tooltip("hi:Q", title="max over ranks", format=".4g")],
+                 alt.Tooltip("lo:Q", title="band low", format=".4g"),
+                 alt.Tooltip("hi:Q", title="band high", format=".4g")],
     )
     if not band:
         return line.add_params(ZOOM).properties(title="Loss")
     area = base.mark_area(opacity=0.15).encode(x="x:Q", y=alt.Y("lo:Q", scale=scale), y2="hi:Q",
-                                               color=alt.Color("series:N", title="run"))
+                                               color=alt.Color("series:N", title=legend))
     return alt.layer(area, line).add_params(ZOOM).properties(title="Loss")
 
 
@@ -167,6 +168,19 @@ def throughput_bars(table: pd.DataFrame) -> alt.Chart:
                 color=alt.Color("run:N", legend=None),
                 tooltip=[alt.Tooltip("run:N"), alt.Tooltip("samples_per_s:Q", format=",.0f")])
         .properties(title="Throughput")
+    )
+
+
+def by_world_size(table: pd.DataFrame, column: str, title: str) -> alt.Chart:
+    """One value per world size, one line per setting (table: setting, world_size, column)."""
+    return (
+        alt.Chart(table.dropna(subset=[column]), height=CHART_HEIGHT)
+        .mark_line(point=True)
+        .encode(x=alt.X("world_size:Q", title="world size (ranks)"), y=alt.Y(f"{column}:Q", title=title),
+                color=alt.Color("setting:N", title=None),
+                tooltip=[alt.Tooltip("setting:N"), alt.Tooltip("world_size:Q"),
+                         alt.Tooltip(f"{column}:Q", format=",.4g")])
+        .properties(title=title[0].upper() + title[1:])
     )
 
 

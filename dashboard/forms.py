@@ -178,6 +178,27 @@ def check_form(values: dict[str, Any], machine: Machine) -> FormResult:
     return FormResult(cfg, errors)
 
 
+@dataclass(frozen=True)
+class SweepPlan:
+    axes: list[Any]  # trainer.sweep.Axis
+    seeds: int
+    description: str  # "6 run(s): 3 num_procs × 2 batch_size", or what is wrong with the grid
+    ok: bool
+
+
+def sweep_plan(cfg: RunConfig, grid_text: str, seeds: int) -> SweepPlan:
+    """The form's Sweep section: one `setting=v1,v2` per line, and seeds; how many runs that makes (before
+    anything is launched), or the one line that says what is wrong."""
+    from ddpdash.trainer.sweep import describe, expand, parse_axis
+
+    try:
+        axes = [parse_axis(line) for line in grid_text.splitlines() if line.strip()]
+        runs = expand(cfg, axes, seeds)
+    except ConfigInvalid as exc:
+        return SweepPlan([], seeds, str(exc.errors[0].message), False)
+    return SweepPlan(axes, seeds, describe(cfg, axes, seeds) + f" — first: {runs[0].config.name}", True)
+
+
 def needs_check(cfg: RunConfig) -> bool:
     """A recipe of the user's, or the user's data: checked in a child process before launch."""
     return not cfg.uses_demo and not cfg.uses_script

@@ -11,17 +11,21 @@ from sqlalchemy.orm import Session
 
 from ddpdash.db.queries import metric_series, run_metric_summaries
 from ddpdash.db.runs import RunInfo, get_run, list_runs
-from ddpdash.db.vocab import Metric
+from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.config import ConfigInvalid, RunConfig
 
 RUN_COLUMNS = ["id", "name", "status", "started", "duration_s", "world_size", "devices", "backend", "batch",
-               "global_batch", "amp", "model", "code", "final_loss", "best_loss", "samples_per_s", "tags", "notes"]
+               "global_batch", "amp", "model", "code", "sweep", "group", "final_loss", "best_loss", "samples_per_s",
+               "tags", "notes"]
 SORTABLE = ["id", "name", "status", "started", "duration_s", "world_size", "model", "final_loss", "best_loss",
             "samples_per_s"]
 X_AXES = {"step": "step", "samples": "samples seen", "time": "seconds since start"}
-# Settings that say how many/which workers run, not what is trained: runs differing only here scale.
-SCALING_FIELDS = {"name", "num_procs", "devices", "backend"}
+# Settings that say how many/which workers run, not what is trained: runs differing only here scale (the
+# seed and the names do not change what is trained either: seeds of one setting are averaged).
+SCALING_FIELDS = {"name", "num_procs", "devices", "backend", "seed", "group"}
 MAX_COMPARE = 10
+MAX_SWEEP_RUNS = 200  # the Sweep page reads this many of a sweep's runs
+BANDS = {"minmax": "min–max across runs", "std": "± one standard deviation"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class RunFilter:
     backends: tuple[str, ...] = ()
     tag: str = ""
     text: str = ""
+    sweep: str = ""
 
 
 def run_config(run: RunInfo) -> RunConfig | None:
@@ -59,6 +64,7 @@ def runs_frame(s: Session) -> pd.DataFrame:
             "backend": cfg.resolved_backend if cfg else None, "batch": cfg.batch_size if cfg else None,
             "global_batch": cfg.global_batch if cfg else None, "amp": cfg.amp if cfg else None,
             "model": cfg.what if cfg else None, "code": cfg.code_sha256[:8] if cfg else None,  # tells code apart
+            "sweep": r.sweep, "group": r.group_name,
             "final_loss": metrics.at[r.id, "final_loss"], "best_loss": metrics.at[r.id, "best_loss"],
             "samples_per_s": metrics.at[r.id, "samples_per_s"], "tags": ", ".join(r.tags), "notes": r.notes,
         })
@@ -73,6 +79,8 @@ def filter_runs(df: pd.DataFrame, f: RunFilter) -> pd.DataFrame:
         out = out[out["model"].isin(f.models)]
     if f.backends:
         out = out[out["backend"].isin(f.backends)]
+    if f.sweep:
+        out = out[out["sweep"] == f.sweep]
     if f.tag:
         out = out[out["tags"].map(lambda t: f.tag in [x.strip() for x in t.split(",")])]
     if f.text:
@@ -186,6 +194,108 @@ def scaling_table(comp: Comparison) -> pd.DataFrame:
                         "baseline": f"{base['run']}: {basis}"})
     return pd.DataFrame(out, columns=["run", "world_size", "samples_per_s", "ideal_samples_per_s", "efficiency",
                                       "baseline"])
+
+
+# ---- groups and sweeps -------------------------------------------------------------------------------------
+def group_of(run: RunInfo) -> str:
+    """The run's group (a sweep's grid point, or one set by hand); a run without one is its own group."""
+    return run.group_name or run_label(run)
+
+
+def group_frame(comp: Comparison, x_axis: str = "step", band: str = "minmax") -> pd.DataFrame:
+    """Long frame [series, run_id, rank, x, value, lo, hi] with one series per group: at each step, the mean
+    over the group's runs of each run's mean loss over its ranks, with the band `minmax` (the runs' lowest
+    and highest) or `std` (± one standard deviation across the runs). Runs are aligned by step; x is the
+    step, the samples seen, or the mean of the runs' seconds since start at that step."""
+    if band not in BANDS:
+        raise ValueError(f"band must be one of {', '.join(BANDS)}")
+    per_run = []
+    for run in comp.runs:
+        df = with_x(comp.loss[run.id], run, x_axis)
+        if df.empty:
+            continue
+        mean = df.groupby("step", as_index=False).agg(x=("x", "mean"), value=("value", "mean"))
+        per_run.append(mean.assign(series=group_of(run)))
+    columns = ["series", "run_id", "rank", "x", "value", "lo", "hi"]
+    if not per_run:
+        return pd.DataFrame(columns=columns)
+    runs = pd.concat(per_run, ignore_index=True)
+    out = runs.groupby(["series", "step"], as_index=False).agg(
+        x=("x", "mean"), value=("value", "mean"), lo=("value", "min"), hi=("value", "max"),
+        spread=("value", lambda v: float(v.std(ddof=0))), runs=("value", "size"))
+    if band == "std":
+        out["lo"], out["hi"] = out["value"] - out["spread"], out["value"] + out["spread"]
+    return out.assign(run_id=-1, rank=-1)[[*columns, "runs"]]
+
+
+def sweep_table(comp: Comparison, target_loss: float | None = None) -> pd.DataFrame:
+    """A sweep's runs, settings → results: the settings that differ across them, then final loss, samples/s
+    and time to the target loss."""
+    summary = summary_table(comp, target_loss).drop(columns=["run"])
+    diff = config_diff(comp.runs).set_index("setting").drop(index=["name", "group"], errors="ignore")
+    settings = diff.T.reset_index(drop=True)
+    ids = pd.DataFrame({"id": [r.id for r in comp.runs]})
+    return pd.concat([ids, settings, summary], axis=1)
+
+
+def scaling_study(comp: Comparison, target_loss: float | None = None) -> pd.DataFrame:
+    """Per setting that scales (config minus the worker count, seed and names) and world size: samples/s
+    (mean over seeds) against ideal linear scaling from the smallest world size, efficiency, time and
+    samples to the target loss, and each point's global batch and effective lr (the linear scaling rule)."""
+    summary = summary_table(comp, target_loss)
+    rows = []
+    for run, result in zip(comp.runs, summary.itertuples(index=False), strict=True):
+        cfg = run_config(run)
+        rows.append({"series": config_key(run.config), "world_size": run.world_size,
+                     "global_batch": cfg.global_batch if cfg else None,
+                     "effective_lr": cfg.effective_lr if cfg else None, "samples_per_s": result.samples_per_s,
+                     "time_to_target_s": result.time_to_target_s, "samples_to_target": result.samples_to_target,
+                     "run": run_label(run)})
+    columns = ["setting", "world_size", "runs", "global_batch", "effective_lr", "samples_per_s",
+               "ideal_samples_per_s", "efficiency", "time_to_target_s", "samples_to_target"]
+    df = pd.DataFrame(rows)
+    if df.empty or df["world_size"].nunique() < 2:
+        return pd.DataFrame(columns=columns)
+    points = df.groupby(["series", "world_size"], as_index=False, sort=True).agg(
+        runs=("run", "size"), global_batch=("global_batch", "first"), effective_lr=("effective_lr", "first"),
+        samples_per_s=("samples_per_s", "mean"), time_to_target_s=("time_to_target_s", "mean"),
+        samples_to_target=("samples_to_target", "mean"))
+    out = []
+    for number, (_, series) in enumerate(points.groupby("series", sort=False), start=1):
+        base = series.iloc[0]  # sorted: the smallest world size
+        for row in series.itertuples(index=False):
+            ideal = base["samples_per_s"] * row.world_size / base["world_size"] if base["samples_per_s"] else None
+            out.append({**row._asdict(), "setting": f"setting {number}", "ideal_samples_per_s": ideal,
+                        "efficiency": row.samples_per_s / ideal if ideal and row.samples_per_s else None})
+    return pd.DataFrame(out, columns=columns)
+
+
+def load_sweep(s: Session, sweep: str, budget: int = 500) -> Comparison:
+    """Every run of a sweep (up to MAX_SWEEP_RUNS), with a smaller point budget per run than Compare's."""
+    from ddpdash.db.runs import sweep_run_ids
+
+    ids = sweep_run_ids(s, sweep)[:MAX_SWEEP_RUNS]
+    runs = [get_run(s, i) for i in ids]
+    comp = Comparison(runs, summaries=run_metric_summaries(s, ids).set_index("run_id"))
+    for r in runs:
+        comp.loss[r.id] = metric_series(s, r.id, Metric.LOSS, max_points=budget)
+    return comp
+
+
+def sweeps_frame(runs: pd.DataFrame) -> pd.DataFrame:
+    """The Runs table grouped by sweep: its runs, how many are queued, running, succeeded, failed, and the
+    best final loss."""
+    df = runs[runs["sweep"].astype(bool)] if len(runs) else runs
+    columns = ["sweep", "runs", "queued", "running", "succeeded", "failed", "best_final_loss", "started"]
+    if df.empty:
+        return pd.DataFrame(columns=columns)
+    out = df.groupby("sweep", as_index=False).agg(
+        runs=("id", "size"), queued=("status", lambda v: int((v == RunStatus.QUEUED).sum())),
+        running=("status", lambda v: int(v.isin([RunStatus.RUNNING, RunStatus.STOPPING]).sum())),
+        succeeded=("status", lambda v: int((v == RunStatus.SUCCEEDED).sum())),
+        failed=("status", lambda v: int(v.isin([RunStatus.FAILED, RunStatus.LOST]).sum())),
+        best_final_loss=("final_loss", "min"), started=("started", "min"))
+    return out.sort_values("started", ascending=False)[columns]
 
 
 def config_diff(runs: list[RunInfo]) -> pd.DataFrame:

@@ -12,6 +12,7 @@ PAGE_SPECS = (
     ("new", "New run", ":material/rocket_launch:", "views/new_run.py"),
     ("runs", "Runs", ":material/table_rows:", "views/runs.py"),
     ("compare", "Compare", ":material/compare_arrows:", "views/compare.py"),
+    ("sweep", "Sweep", ":material/grid_view:", "views/sweep.py"),
 )
 DEFAULT = "live"
 # Live is the default page, served at `/`; Streamlit still reserves the default page's own path, so it

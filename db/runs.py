@@ -158,6 +158,13 @@ def front_of_queue(s: Session) -> float | None:
                                                             Run.admitted_at.is_(None)))
 
 
+def list_sweeps(s: Session) -> list[str]:
+    """Sweep names, newest first."""
+    rows = s.execute(select(Run.sweep, func.max(Run.id)).where(Run.sweep != "").group_by(Run.sweep)
+                     .order_by(func.max(Run.id).desc()))
+    return [name for name, _ in rows]
+
+
 def sweep_run_ids(s: Session, sweep: str) -> list[int]:
     return list(s.scalars(select(Run.id).where(Run.sweep == sweep).order_by(Run.id)))
 

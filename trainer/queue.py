@@ -9,6 +9,7 @@ by hand (torchrun without the launcher) are not queued, but their devices and ra
 
     plan(busy, waiting, cpu_slots)   which waiting runs start now, and why each other one waits (pure)
     dispatch(engine)                 admit what fits and start its supervisors; returns the admitted ids
+    admit(engine)                    the decision alone (dispatch's first half)
     waiting_states(s)                position and reason of each waiting run of this host (for the pages)
 """
 
@@ -145,11 +146,19 @@ def waiting_states(s: Session, host: str | None = None) -> dict[int, tuple[int, 
 
 def dispatch(engine: Engine) -> list[int]:
     """Admit the waiting runs of this host that fit now and start their supervisors."""
+    from .control import start_supervisor
+
+    admitted = admit(engine)
+    for run_id in admitted:
+        start_supervisor(engine, run_id)
+    return admitted
+
+
+def admit(engine: Engine) -> list[int]:
+    """The decision alone, under the queue lock: mark the waiting runs that fit now as admitted."""
     from sqlalchemy.orm import Session
 
     from ddpdash.db.runs import add_event, update_run
-
-    from .control import start_supervisor
 
     host = socket.gethostname()
     with Session(engine) as s, s.begin():
@@ -162,8 +171,6 @@ def dispatch(engine: Engine) -> list[int]:
         for run_id in decided.admit:
             update_run(s, run_id, admitted_at=now)
             add_event(s, run_id, EventKind.ADMITTED, "admitted by the queue: its devices are free")
-    for run_id in decided.admit:
-        start_supervisor(engine, run_id)
     return list(decided.admit)
 
 

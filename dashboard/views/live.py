@@ -14,6 +14,7 @@ from ddpdash.db.queries import events, rank_states
 from ddpdash.db.runs import RunInfo, RunNotFound, get_run, list_runs
 from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.control import StopError, stop
+from ddpdash.trainer.queue import cancel, is_waiting, move_to_front, waiting_states
 from ddpdash.trainer.rundir import RunDir, tail
 
 REFRESH_S = 1.5
@@ -92,7 +93,9 @@ def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
         prog = livedata.progress(run, states)
         st.progress(prog.fraction, text=prog.text())
     with right:
-        if run.is_active:
+        if is_waiting(run):
+            _queued(run)
+        elif run.is_active:
             with st.popover("Stop", icon=":material/stop_circle:", width="stretch"):
                 st.write(f"Stop run #{run.id}? Every rank finishes its step, flushes and exits.")
                 if st.button("Yes, stop it", type="primary", key=f"confirm_stop_{run.id}"):
@@ -104,6 +107,20 @@ def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
                     st.rerun()
         if run.error and run.status == RunStatus.FAILED:
             st.error(f"failed: rank(s) {list(run.failed_ranks) or '?'}")
+
+
+def _queued(run: RunInfo) -> None:
+    """A run waiting in the queue: its place, what it waits for, Cancel and Move to front."""
+    with Session(state.engine()) as s:
+        position, reason = waiting_states(s).get(run.id, (0, "starting"))
+    st.info(f"Queued, #{position} in line: {reason}" if position else "Admitted: starting", icon=":material/schedule:")
+    if st.button("Cancel", icon=":material/cancel:", width="stretch", key=f"cancel_{run.id}"):
+        st.toast(f"Run {run.id} " + ("cancelled" if cancel(state.engine(), run.id) else "had already started"))
+        st.rerun()
+    if position > 1 and st.button("Move to front", icon=":material/vertical_align_top:", width="stretch",
+                                  key=f"front_{run.id}"):
+        move_to_front(state.engine(), run.id)
+        st.rerun()
 
 
 SCRIPT_LINES = """import ddpdash

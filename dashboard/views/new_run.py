@@ -13,6 +13,7 @@ from ddpdash.dashboard.text import md_escape
 from ddpdash.db.runs import RunNotFound, get_run
 from ddpdash.trainer.config import ConfigInvalid, Machine, RunConfig
 from ddpdash.trainer.control import LaunchError, check_recipe, launch
+from ddpdash.trainer.sweep import launch_sweep
 
 CHECK_KEY = "_recipe_check"  # (the config checked, as JSON; its CheckResult): shown while the form is unchanged
 
@@ -165,6 +166,8 @@ def _summary_and_launch(result: forms.FormResult) -> None:
                     st.error(f"Nothing was launched: {exc}")
                 else:
                     nav.go("live", run=str(run_id))
+    if result.config is not None and result.ok:
+        _sweep(result.config)
     if result.config is not None:
         if forms.check_failed(result.config, st.session_state.get(CHECK_KEY)):
             st.error("Nothing was launched: the check found the problems shown next to the fields.")
@@ -173,6 +176,30 @@ def _summary_and_launch(result: forms.FormResult) -> None:
         st.code(cli, language="bash", wrap_lines=True)
         st.markdown("**The torchrun command the launcher runs**")
         st.code(torchrun, language="bash", wrap_lines=True)
+
+
+def _sweep(cfg: RunConfig) -> None:
+    """A grid of runs from these settings: how many it makes, then every run validated and queued."""
+    with st.expander("Sweep: a grid of runs", icon=":material/grid_view:"):
+        grid = st.text_area("Grid, one setting per line", key="_sweep_grid", height=90,
+                            placeholder="num_procs=1,2\nbatch_size=32,64\nparam.width=64,128",
+                            help="setting=value1,value2 (semicolons when a value holds commas); param.KEY for your "
+                                 "parameters, arg.--option for your script's arguments")
+        seeds = st.number_input("Seeds per grid point", min_value=1, max_value=20, value=1, step=1, key="_sweep_seeds")
+        name = st.text_input("Sweep name", key="_sweep_name", placeholder="sweep-DATE-TIME")
+        plan = forms.sweep_plan(cfg, grid, int(seeds))
+        if not grid.strip():
+            st.caption("Add a line to sweep a setting.")
+            return
+        (st.caption if plan.ok else st.error)(plan.description)
+        if st.button("Launch sweep", disabled=not plan.ok, icon=":material/grid_view:", width="stretch"):
+            try:
+                with st.spinner("Checking every run of the grid…"):
+                    sweep_name, _ = launch_sweep(state.engine(), cfg, plan.axes, plan.seeds, state.machine(), name)
+            except (ConfigInvalid, LaunchError) as exc:
+                st.error(f"Nothing was launched: {exc}")
+            else:
+                nav.go("sweep", sweep=sweep_name)
 
 
 def _recipe_check(result: forms.FormResult) -> None:

@@ -42,6 +42,9 @@ def render() -> None:
         return
     f = _filters(df)
     shown = history.filter_runs(df, f)
+    if st.toggle("Group by sweep", help="One row per sweep; open one to see its grid, bands and scaling study"):
+        _sweeps(shown)
+        return
     c1, c2, c3 = st.columns([2, 1, 1])
     sort_by = c1.selectbox("Sort by", history.SORTABLE, index=0)
     descending = c2.toggle("Descending", value=True)
@@ -76,14 +79,29 @@ def render() -> None:
 
 
 def _filters(df) -> history.RunFilter:  # type: ignore[no-untyped-def]
-    c1, c2, c3, c4, c5 = st.columns([2, 2, 2, 1, 2])
+    c1, c2, c3, c4, c5, c6 = st.columns([2, 2, 2, 1, 2, 2])
     statuses = c1.multiselect("Status", RunStatus.ALL)
     models = c2.multiselect("Model", sorted(df["model"].dropna().unique()))
     backends = c3.multiselect("Backend", sorted(df["backend"].dropna().unique()))
     tags = sorted({t.strip() for cell in df["tags"] for t in cell.split(",") if t.strip()})
     tag = c4.selectbox("Tag", ["", *tags])
-    text = c5.text_input("Search name and notes")
-    return history.RunFilter(tuple(statuses), tuple(models), tuple(backends), tag or "", text)
+    sweeps = sorted({s for s in df["sweep"] if s}, reverse=True)
+    sweep = c5.selectbox("Sweep", ["", *sweeps])
+    text = c6.text_input("Search name and notes")
+    return history.RunFilter(tuple(statuses), tuple(models), tuple(backends), tag or "", text, sweep or "")
+
+
+def _sweeps(shown) -> None:  # type: ignore[no-untyped-def]
+    table = history.sweeps_frame(shown)
+    if table.empty:
+        st.info("No sweeps among these runs: `ddpdash sweep --grid …` or New run's Sweep section makes one.")
+        return
+    st.dataframe(table, hide_index=True, width="stretch",
+                 column_config={"best_final_loss": st.column_config.NumberColumn("best final loss", format="%.4g"),
+                                "started": st.column_config.DatetimeColumn("started", format="YYYY-MM-DD HH:mm")})
+    name = st.selectbox("Open sweep", table["sweep"].tolist(), index=None, placeholder="choose a sweep…")
+    if name:
+        nav.go("sweep", sweep=name)
 
 
 def _one_run(run_id: int) -> None:
