@@ -20,12 +20,13 @@ from bench import (
     live_refresh,
     logging_overhead,
     recipe_check,
+    runs_page,
     trainer_vs_plain,
 )
 from bench.common import Result, machine, mode, parser, print_results
 
 BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, trainer_vs_plain, launch_latency,
-              recipe_check)
+              recipe_check, runs_page)
 
 
 def main() -> None:

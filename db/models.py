@@ -53,6 +53,9 @@ class Run(Base):
     admitted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     sweep: Mapped[str] = mapped_column(String(100), default="", index=True)
     group_name: Mapped[str] = mapped_column(String(200), default="", index=True)
+    # RunConfig.what and .resolved_backend, kept as columns: the Runs page filters by them in SQL.
+    trains: Mapped[str] = mapped_column(String(200), default="", index=True)
+    backend: Mapped[str] = mapped_column(String(20), default="")
 
 
 class QueueLock(Base):

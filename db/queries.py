@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, func, or_, select
 from sqlalchemy.orm import Session
 
 from .chunks import read_points
-from .models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, RunEvent
+from .models import ROLLUP_WIDTHS, MetricChunk, MetricRollup, RankState, Run, RunEvent
 from .rollup import roll_up
 from .vocab import Metric
 
@@ -184,3 +184,56 @@ def run_metric_summaries(s: Session, run_ids: list[int]) -> pd.DataFrame:
     out["best_loss"] = loss.groupby("run_id")["vmin"].min()
     out["samples_per_s"] = (speed["vsum"] / speed["count"]).groupby(speed["run_id"]).sum()
     return out.reset_index()[columns]
+
+
+# ---- the Runs page: filtered, sorted and paged in SQL -------------------------------------------------------
+RUN_SORT_COLUMNS: dict[str, Any] = {
+    "id": Run.id, "name": Run.name, "status": Run.status, "world_size": Run.world_size, "model": Run.trains,
+    "started": func.coalesce(Run.started_at, Run.created_at), "duration_s": Run.ended_at - Run.started_at,
+}
+
+
+def run_conditions(*, statuses: Sequence[str] = (), trains: Sequence[str] = (), backends: Sequence[str] = (),
+                   tag: str = "", text: str = "", sweep: str = "") -> list[ColumnElement[bool]]:
+    """The Runs page's filters as SQL conditions (text: a case-insensitive substring of the name or notes)."""
+    where: list[ColumnElement[bool]] = []
+    if statuses:
+        where.append(Run.status.in_(statuses))
+    if trains:
+        where.append(Run.trains.in_(trains))
+    if backends:
+        where.append(Run.backend.in_(backends))
+    if sweep:
+        where.append(Run.sweep == sweep)
+    if tag:
+        padded = "," + Run.tags + ","
+        where.append(padded.contains(f",{tag},", autoescape=True))
+    if text:
+        needle = text.lower()
+        where.append(or_(func.lower(Run.name).contains(needle, autoescape=True),
+                         func.lower(Run.notes).contains(needle, autoescape=True)))
+    return where
+
+
+def run_ids_page(s: Session, where: list[ColumnElement[bool]], sort_by: str = "id", descending: bool = True,
+                 offset: int = 0, limit: int | None = 50) -> list[int]:
+    """The ids of one page of the runs that match, sorted by a column of theirs (all of them: limit None)."""
+    column = RUN_SORT_COLUMNS[sort_by]
+    order = column.desc() if descending else column.asc()
+    query = select(Run.id).where(*where).order_by(order.nulls_last(), Run.id.desc()).offset(offset)
+    return list(s.scalars(query.limit(limit) if limit is not None else query))
+
+
+def count_runs(s: Session, where: Sequence[ColumnElement[bool]] = ()) -> int:
+    return int(s.scalar(select(func.count()).select_from(Run).where(*where)) or 0)
+
+
+def run_filter_options(s: Session) -> dict[str, list[str]]:
+    """What the Runs page's filters offer: every value stored (one DISTINCT each, not a read of every run)."""
+    def distinct(column: Any) -> list[str]:
+        return sorted(v for v in s.scalars(select(column).distinct()) if v)
+
+    tags = sorted({t.strip() for cell in distinct(Run.tags) for t in cell.split(",") if t.strip()})
+    return {"trains": distinct(Run.trains), "backends": distinct(Run.backend), "tags": tags,
+            "sweeps": sorted(distinct(Run.sweep), reverse=True)}
+

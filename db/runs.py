@@ -79,6 +79,7 @@ def _info(r: Run) -> RunInfo:
 def create_run(
     s: Session, *, key: str, name: str, config_json: str, world_size: int, run_dir: str = "", host: str = "",
     status: str = RunStatus.QUEUED, sweep: str = "", group_name: str = "", admitted: bool = True,
+    trains: str = "", backend: str = "",
 ) -> int:
     """A new run. A launched run is created waiting (`admitted=False`) and the queue admits it; a run
     registered by its own ranks is running already, outside the queue."""
@@ -87,7 +88,7 @@ def create_run(
         insert(Run).values(
             key=key, name=name, status=status, config_json=config_json, world_size=world_size,
             run_dir=run_dir, host=host, created_at=now, queue_order=now, admitted_at=now if admitted else None,
-            sweep=sweep, group_name=group_name,
+            sweep=sweep, group_name=group_name, trains=trains[:200], backend=backend[:20],
         ).returning(Run.id)
     ).scalar_one())
 

@@ -186,3 +186,21 @@ def test_delete_refuses_a_running_run(engine: Engine) -> None:
     run_id = seed_run(engine, RunConfig(), steps=5, status="running")
     with pytest.raises(DeleteError, match="stop it before deleting it"):
         delete_run(engine, run_id)
+
+
+def test_the_runs_page_in_sql_matches_the_whole_table(engine: Engine, seeded: dict[str, int]) -> None:
+    """history.runs_page (filtered, sorted and paged in SQL) shows what filtering and sorting the whole table
+    shows, for each filter and sort."""
+    with Session(engine, expire_on_commit=False) as s, s.begin():
+        update_run(s, seeded["b"], sweep="sw", group_name="sw g1", notes="Fast one")
+    with Session(engine) as s:
+        whole = history.runs_frame(s)
+        for f in (history.RunFilter(), history.RunFilter(statuses=("failed",)), history.RunFilter(tag="base"),
+                  history.RunFilter(sweep="sw"), history.RunFilter(text="fast")):
+            for sort_by in ("id", "name", "final_loss", "world_size"):
+                page = history.runs_page(s, f, sort_by, True, 1, 2)
+                expected, pages = history.sort_and_page(history.filter_runs(whole, f), sort_by, True, 1, 2)
+                assert page.rows["id"].tolist() == expected["id"].tolist(), (f, sort_by)
+                assert (page.pages, page.total) == (pages, 3)
+        second = history.runs_page(s, history.RunFilter(), "id", False, 2, 2)
+    assert second.rows["id"].tolist() == [seeded["c"]] and second.matched == 3

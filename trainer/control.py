@@ -114,7 +114,8 @@ def enqueue(engine: Engine, cfg: RunConfig, *, db_url: str | None = None, sweep:
     key = f"ddpdash-{uuid.uuid4()}"
     with Session(engine) as s, s.begin():
         run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=cfg.world_size,
-                            host=socket.gethostname(), sweep=sweep, group_name=cfg.group, admitted=False)
+                            host=socket.gethostname(), sweep=sweep, group_name=cfg.group, admitted=False,
+                            trains=cfg.what, backend=cfg.resolved_backend)
     run_dir = new_run_dir(run_id)
     run_dir.config.write_text(cfg.to_json())
     env = torchrun_env(cfg, db_url, run_key=key)

@@ -83,6 +83,16 @@ def run_key(run_dir: RunDir) -> str:
     return f"{rendezvous[:47]}:{folder}"
 
 
+def _what_and_backend(config_json: str) -> dict[str, str]:
+    from .config import ConfigInvalid, RunConfig
+
+    try:
+        cfg = RunConfig.from_json(config_json)
+    except ConfigInvalid:
+        return {}
+    return {"trains": cfg.what, "backend": cfg.resolved_backend}
+
+
 def register_run(engine: Any, name: str, config_json: str, run_dir: RunDir, world_size: int, key: str) -> int:
     """A hand-started torchrun registers one run per rendezvous: every rank finds or creates the same row."""
     from sqlalchemy.exc import IntegrityError
@@ -98,7 +108,8 @@ def register_run(engine: Any, name: str, config_json: str, run_dir: RunDir, worl
         try:
             with Session(engine) as s, s.begin():
                 run_id = create_run(s, key=key, name=name, config_json=config_json, world_size=world_size,
-                                    run_dir=str(run_dir.path), host=socket.gethostname(), status=RunStatus.RUNNING)
+                                    run_dir=str(run_dir.path), host=socket.gethostname(), status=RunStatus.RUNNING,
+                                    **_what_and_backend(config_json))
                 update_run(s, run_id, started_at=time.time())
                 return run_id
         except IntegrityError:

@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from ddpdash.dashboard import history, nav, state
 from ddpdash.dashboard.text import md_escape
-from ddpdash.db.queries import export_points
+from ddpdash.db.queries import count_runs, export_points, run_filter_options
 from ddpdash.db.runs import RunNotFound, clean_tags, get_run, update_run
 from ddpdash.db.vocab import RunStatus
 from ddpdash.trainer.control import DeleteError, delete_run
@@ -17,9 +17,15 @@ PAGE_SIZE = 50
 
 @st.cache_data(ttl=2, show_spinner=False)
 def _runs_frame(url: str, version: int):  # type: ignore[no-untyped-def]
-    """Both arguments are part of the cache key: an edit bumps `version`, and the table is read again."""
+    """Every run (the grouping by sweep needs them all); both arguments are part of the cache key: an edit
+    bumps `version`, and the table is read again."""
     with Session(state.engine()) as s:
         return history.runs_frame(s)
+
+
+def _page(f: history.RunFilter, sort_by: str, descending: bool, page: int) -> history.RunsPage:
+    with Session(state.engine()) as s:
+        return history.runs_page(s, f, sort_by, descending, page, PAGE_SIZE)
 
 
 def _export(run_id: int, fmt: str) -> str:
@@ -35,23 +41,24 @@ def _bump() -> None:
 def render() -> None:
     st.title("Runs")
     state.reconcile_runs()
-    df = _runs_frame(str(state.engine().url), st.session_state.get("_runs_version", 0))
-    if df.empty:
+    with Session(state.engine()) as s:
+        options, total = run_filter_options(s), count_runs(s)
+    if not total:
         st.info("No runs yet.")
         st.page_link(nav.page("new"), label="New run", icon=":material/rocket_launch:")
         return
-    f = _filters(df)
-    shown = history.filter_runs(df, f)
+    f = _filters(options)
     if st.toggle("Group by sweep", help="One row per sweep; open one to see its grid, bands and scaling study"):
-        _sweeps(shown)
+        df = _runs_frame(str(state.engine().url), st.session_state.get("_runs_version", 0))
+        _sweeps(history.filter_runs(df, f))
         return
     c1, c2, c3 = st.columns([2, 1, 1])
     sort_by = c1.selectbox("Sort by", history.SORTABLE, index=0)
     descending = c2.toggle("Descending", value=True)
-    page_count = max(1, -(-len(shown) // PAGE_SIZE))
-    page = c3.number_input(f"Page (of {page_count})", min_value=1, max_value=page_count, value=1, step=1)
-    page_df, _ = history.sort_and_page(shown, sort_by, descending, int(page), PAGE_SIZE)
-    st.caption(f"{len(shown)} of {len(df)} runs")
+    page = int(c3.number_input("Page", min_value=1, value=1, step=1))
+    listing = _page(f, sort_by, descending, page)
+    page_df = shown = listing.rows
+    st.caption(f"{listing.matched} of {listing.total} runs; page {min(page, listing.pages)} of {listing.pages}")
     event = st.dataframe(
         page_df, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
         key="runs_table",
@@ -78,15 +85,13 @@ def render() -> None:
         _one_run(int(one))
 
 
-def _filters(df) -> history.RunFilter:  # type: ignore[no-untyped-def]
+def _filters(options: dict[str, list[str]]) -> history.RunFilter:
     c1, c2, c3, c4, c5, c6 = st.columns([2, 2, 2, 1, 2, 2])
     statuses = c1.multiselect("Status", RunStatus.ALL)
-    models = c2.multiselect("Model", sorted(df["model"].dropna().unique()))
-    backends = c3.multiselect("Backend", sorted(df["backend"].dropna().unique()))
-    tags = sorted({t.strip() for cell in df["tags"] for t in cell.split(",") if t.strip()})
-    tag = c4.selectbox("Tag", ["", *tags])
-    sweeps = sorted({s for s in df["sweep"] if s}, reverse=True)
-    sweep = c5.selectbox("Sweep", ["", *sweeps])
+    models = c2.multiselect("Model", options["trains"])
+    backends = c3.multiselect("Backend", options["backends"])
+    tag = c4.selectbox("Tag", ["", *options["tags"]])
+    sweep = c5.selectbox("Sweep", ["", *options["sweeps"]])
     text = c6.text_input("Search name and notes")
     return history.RunFilter(tuple(statuses), tuple(models), tuple(backends), tag or "", text, sweep or "")
 
