@@ -201,8 +201,11 @@ def scaling_table(comp: Comparison) -> pd.DataFrame:
 
 # ---- groups and sweeps -------------------------------------------------------------------------------------
 def group_of(run: RunInfo) -> str:
-    """The run's group (a sweep's grid point, or one set by hand); a run without one is its own group."""
-    return run.group_name or run_label(run)
+    """The run's group (a sweep's grid point, named without the sweep's name, or one set by hand); a run
+    without one is its own group."""
+    if not run.group_name:
+        return run_label(run)
+    return run.group_name.removeprefix(f"{run.sweep} ") if run.sweep else run.group_name
 
 
 def group_frame(comp: Comparison, x_axis: str = "step", band: str = "minmax") -> pd.DataFrame:

@@ -233,3 +233,59 @@ def test_public_bind_without_password_refuses_to_start(tmp_path: Path) -> None:
                              str(free_port())], env=env, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert result.returncode == 2
     assert "refusing to listen on 0.0.0.0" in result.stderr and "DDPDASH_PASSWORD" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def sweep_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, str]]:
+    """A dashboard on a machine of two CPU slots, rank 0 paced so a queue forms and can be watched."""
+    home = tmp_path_factory.mktemp("sweep") / "home"
+    proc, url, first_url = start_ui(home, DDPDASH_CPU_SLOTS="2", DDPDASH_TEST_FAULT="sleep:0:0.02")
+    yield url, home, first_url
+    stop_active_runs(open_store(f"sqlite:///{home / 'ddpdash.db'}"))
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_journey_a_sweep_queues_runs_and_shows_its_scaling_study(browser: Browser,
+                                                                   sweep_server: tuple[str, Path, str]) -> None:
+    url, home, first_url = sweep_server
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(first_url, wait_until="domcontentloaded")
+    page.goto(f"{url}/new", wait_until="domcontentloaded")
+    expect(page.get_by_role("heading", name="New run")).to_be_visible()
+    set_number(page, "Batch size", "16")
+    set_number(page, "Max steps", "250")
+    page.get_by_text("Sweep: a grid of runs").click()
+    grid = page.get_by_role("textbox", name="Grid, one setting per line")
+    grid.fill("num_procs=1,2")
+    grid.press("Control+Enter")  # a text area applies its value on Ctrl+Enter (or when it loses focus)
+    expect(page.get_by_text(re.compile(r"2 run\(s\): 2 num_procs"))).to_be_visible(timeout=30_000)
+    page.get_by_role("button", name="Launch sweep").click()
+    page.wait_for_url(re.compile(r"/sweep\?sweep=sweep-"), timeout=90_000)
+    engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
+    with Session(engine) as s:
+        one, two = sorted(list_runs(s), key=lambda r: r.id)
+    assert (one.world_size, two.world_size) == (1, 2) and one.sweep == two.sweep
+    # The 2-rank run waits while the 1-rank run holds one of the two slots: Live says so.
+    page.goto(f"{url}/live?run={two.id}", wait_until="domcontentloaded")
+    expect(page.get_by_text(re.compile(rf"Queued, #1 in line: needs 2 CPU slot\(s\); 1 of 2 are used by run\(s\) "
+                                       rf"#{one.id}"))).to_be_visible(timeout=30_000)
+    shot(page, "journey-sweep-queued")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        with Session(engine) as s:
+            if all(r.status == "succeeded" for r in list_runs(s)):
+                break
+        time.sleep(1)
+    page.goto(f"{url}/sweep?sweep={one.sweep}", wait_until="domcontentloaded")
+    expect(page.get_by_role("heading", name="Scaling study")).to_be_visible(timeout=60_000)
+    expect(page.get_by_text("ideal (linear)").first).to_be_visible(timeout=60_000)
+    expect(page.get_by_text("2 run(s); 0 queued or running")).to_be_visible()
+    shot(page, "journey-sweep-scaling")
+    with Session(engine) as s:
+        done = sorted(list_runs(s), key=lambda r: r.id)
+    assert [r.status for r in done] == ["succeeded", "succeeded"]
+    assert done[0].ended_at <= done[1].admitted_at  # the second waited for the first
+    context.close()

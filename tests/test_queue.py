@@ -263,7 +263,7 @@ def test_a_groups_band_is_the_mean_and_spread_across_its_runs(engine: Engine) ->
     spread = loss_at_10 * math.sqrt(2 / 3)  # population std of 1, 2, 3 is sqrt(2/3)
     assert (std.loc[10.0, "lo"], std.loc[10.0, "hi"]) == (pytest.approx(2 * loss_at_10 - spread),
                                                           pytest.approx(2 * loss_at_10 + spread))
-    assert set(minmax["runs"]) == {3} and set(minmax["series"]) == {"g width=64"}
+    assert set(minmax["runs"]) == {3} and set(minmax["series"]) == {"g width=64"}  # the sweep "sw" is not in it
 
 
 def test_the_scaling_study_on_known_numbers(engine: Engine) -> None:
