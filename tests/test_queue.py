@@ -290,3 +290,16 @@ def test_the_scaling_study_on_known_numbers(engine: Engine) -> None:
 def test_the_readme_and_cli_know_the_queue_and_sweeps() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "ddpdash sweep --grid" in readme and "ddpdash queue" in readme
+
+
+def test_the_forms_sweep_section_counts_the_runs_before_launch(engine: Engine) -> None:
+    from tests.test_dashboard_app import open_page, ran
+
+    at = open_page("views/new_run.py")
+    ran(at.text_area(key="_sweep_grid").input("num_procs=1,2\nbatch_size=16,32").run())
+    ran(at.number_input(key="_sweep_seeds").set_value(3).run())
+    assert any(c.value.startswith("12 run(s): 2 num_procs × 2 batch_size × 3 seeds") for c in at.caption)
+    ran(at.text_area(key="_sweep_grid").input("batch_size=16,huge").run())
+    assert "batch_size must be a whole number, got 'huge'" in [e.value for e in at.error]
+    with Session(engine) as s:
+        assert list_runs(s) == []  # counting launches nothing

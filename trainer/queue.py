@@ -52,11 +52,12 @@ class Need:
 
     @classmethod
     def of(cls, run: RunInfo) -> Need:
+        """From its config's devices; its ranks from the row (a run started by hand may have no config)."""
         try:
-            cfg = RunConfig.from_dict(run.config)
+            devices = frozenset(RunConfig.from_dict(run.config).devices)
         except ConfigInvalid:
-            return cls(run.id, frozenset(), run.world_size)
-        return cls(run.id, frozenset(cfg.devices), 0 if cfg.devices else cfg.world_size)
+            devices = frozenset()
+        return cls(run.id, devices, 0 if devices else run.world_size)
 
 
 @dataclass(frozen=True)
