@@ -115,3 +115,27 @@ def test_a_postgres_server_down_for_twenty_seconds_loses_nothing(tmp_path: Path,
         assert run.status == RunStatus.SUCCEEDED, run.error
         assert_every_step_once(engine, run_id, 600)
         engine.dispose()
+
+
+def test_the_queue_lock_holds_on_postgres(pg: Engine, pg_url: str) -> None:
+    """Five processes decide at once over runs that all want GPU 0 or 1, on PostgreSQL: one run per GPU."""
+    import itertools
+    import multiprocessing
+    import socket
+
+    from ddpdash.db.runs import create_run, get_run, update_run
+    from ddpdash.db.vocab import RunStatus
+    from ddpdash.trainer.config import RunConfig
+    from tests.test_queue import _admit_in_a_process
+
+    with Session(pg) as s, s.begin():
+        ids = [create_run(s, key=f"pg-race-{i}", name=f"pg-race-{i}", world_size=1, admitted=False,
+                          host=socket.gethostname(), config_json=RunConfig(devices=(i % 2,)).to_json())
+               for i in range(10)]
+    with multiprocessing.get_context("spawn").Pool(5) as pool:
+        admitted = list(itertools.chain.from_iterable(pool.starmap(_admit_in_a_process, [(pg_url, 20)] * 5)))
+    assert sorted(admitted) == ids[:2]
+    with Session(pg) as s, s.begin():
+        assert [get_run(s, i).admitted_at is not None for i in ids] == [True, True] + [False] * 8
+        for run_id in ids:
+            update_run(s, run_id, status=RunStatus.CANCELLED)

@@ -303,3 +303,17 @@ def test_the_forms_sweep_section_counts_the_runs_before_launch(engine: Engine) -
     assert "batch_size must be a whole number, got 'huge'" in [e.value for e in at.error]
     with Session(engine) as s:
         assert list_runs(s) == []  # counting launches nothing
+
+
+def test_compare_draws_one_line_per_group(engine: Engine) -> None:
+    from tests.test_dashboard_app import chart_rows, open_page, ran
+
+    base = RunConfig(name="c", num_procs=1)
+    ids = [_grouped(engine, base.replace(seed=i % 2), f"lr={lr}", "", steps=30, loss_scale=scale)
+           for i, (lr, scale) in enumerate([(0.1, 1.0), (0.1, 1.2), (0.2, 0.5), (0.2, 0.7)])]
+    at = open_page("views/compare.py", runs=",".join(map(str, ids)))
+    ran(at.radio[0].set_value("each group, band across runs").run())
+    rows = chart_rows(at)[0]
+    assert {r["series"] for r in rows} == {"lr=0.1", "lr=0.2"}
+    at_10 = {r["series"]: r for r in rows if r["x"] == 10.0}
+    assert at_10["lr=0.2"]["value"] == pytest.approx(0.6 * (2.0 * math.exp(-10 / 7.5) + 0.1))

@@ -28,12 +28,17 @@ def render() -> None:
 
     c1, c2, c3, c4 = st.columns(4)
     x_axis = c1.selectbox("x-axis", list(history.X_AXES), format_func=lambda k: history.X_AXES[k])
-    per_rank = c2.radio("Ranks", ["mean with min–max band", "each rank"], horizontal=True) == "each rank"
+    lines = c2.radio("Lines", ["each run, min–max over ranks", "each rank", "each group, band across runs"],
+                     help="A group: a sweep's grid point (its seeds), or the group set by hand (--group)")
     smoothing = c3.slider("Smoothing", 0.0, 0.99, 0.0, 0.01)
     log_scale = c4.toggle("Log scale")
-    overlay = history.overlay_frame(comp, x_axis, per_rank)
-    st.altair_chart(charts.overlay_chart(overlay, history.X_AXES[x_axis], smoothing, log_scale, band=not per_rank),
-                    width="stretch")
+    if lines.startswith("each group"):
+        band = c4.radio("Band", list(history.BANDS), format_func=history.BANDS.get)
+        overlay, legend = history.group_frame(comp, x_axis, band), "group"
+    else:
+        overlay, legend = history.overlay_frame(comp, x_axis, per_rank=lines == "each rank"), "run"
+    st.altair_chart(charts.overlay_chart(overlay, history.X_AXES[x_axis], smoothing, log_scale,
+                                         band=lines != "each rank", legend=legend), width="stretch")
 
     st.subheader("Summary")
     target = st.number_input("Target loss", value=None, min_value=0.0, format="%g",
