@@ -231,7 +231,8 @@ def test_stop_a_sweep_cancels_the_queued_and_stops_the_running(engine: Engine,
     assert statuses == {ids[0]: RunStatus.STOPPED, ids[1]: RunStatus.CANCELLED, ids[2]: RunStatus.CANCELLED}
     with Session(engine) as s:
         run = get_run(s, ids[0])
-    assert not any(alive(p) for p in (run.supervisor_pid, run.torchrun_pid, *run.worker_pids))
+    # The workers are gone before the status is written; the supervisor exits right after writing it.
+    assert wait_for(lambda: not any(alive(p) for p in (run.supervisor_pid, run.torchrun_pid, *run.worker_pids)), 10)
 
 
 def get_status(engine: Engine, run_id: int) -> str:
