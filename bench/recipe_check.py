@@ -45,7 +45,7 @@ def measure(repeats: int) -> list[Result]:
     added, spread = median_spread(extra)
     ratio, _ = median_spread(ratios(times["check_recipe"], times["python: import the recipe, build()"]))
     print(f"  the check adds {added:.2f} s (spread {spread:.2f} s): {ratio:.2f}× the user's own time")
-    return [Result("recipe check", f"+{added:.2f} s beyond the recipe's own import and build", "< +3 s", added < 3.0)]
+    return [Result("recipe check", f"{added:+.2f} s beyond the recipe's own import and build", "< +3 s", added < 3.0)]
 
 
 SIZES = {"smoke": (1,), "quick": (3,), "full": (7,)}
