@@ -74,6 +74,13 @@ def test_history_and_delete_on_postgres(pg: Engine, tmp_path: Path, monkeypatch:
         frame = history.runs_frame(s).set_index("id")
     assert frame.loc[b, "samples_per_s"] == pytest.approx(2000.0)
     assert frame.loc[a, "final_loss"] == pytest.approx(2.0 * math.exp(-4) + 0.1)  # tests/seed.py's last loss
+    with Session(pg) as s:  # the Runs page's SQL (filters, sort, page) on PostgreSQL
+        whole = history.runs_frame(s)
+        for f in (history.RunFilter(), history.RunFilter(text="PG-B"), history.RunFilter(statuses=("succeeded",))):
+            for sort_by in ("name", "final_loss", "started"):
+                page = history.runs_page(s, f, sort_by, False, 1, 1)
+                expected, _ = history.sort_and_page(history.filter_runs(whole, f), sort_by, False, 1, 1)
+                assert page.rows["id"].tolist() == expected["id"].tolist(), (f, sort_by)
     delete_run(pg, a)
     with Session(pg) as s:
         assert a not in history.runs_frame(s)["id"].tolist()
