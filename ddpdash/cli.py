@@ -200,13 +200,20 @@ def _what(run: Any) -> str:
 
 
 def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
+    from ddpdash.dashboard.livedata import find_straggler
+    from ddpdash.db.queries import metric_series
+
     with Session(engine) as s:
         run = get_run(s, args.run)
         states = rank_states(s, args.run)
         evs = events(s, args.run)
+        step_times = metric_series(s, args.run, Metric.STEP_TIME)
     print(f"run {run.id}: {run.name}  [{run.status}]")
     print(f"  folder   {run.run_dir}")
     print(f"  ranks    {run.world_size}   steps {run.total_steps or '?'}")
+    if run.world_size > 1 and not step_times.empty:
+        straggler = find_straggler(step_times)  # the Live page's judgement, on the same newest steps
+        print(f"  straggler {straggler.text() if straggler else 'none: no rank holds the others back'}")
     if run.failed_ranks:
         print(f"  failed   rank(s) {list(run.failed_ranks)}")
     for row in states.itertuples(index=False):

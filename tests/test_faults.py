@@ -382,12 +382,27 @@ def test_a_straggler_is_named_only_when_there_is_one(engine: Engine, monkeypatch
     run_id = launch(engine, tiny(max_steps=100_000), CPU_MACHINE)
     flags = _flags_while_running(engine, run_id)
     assert len(flags) >= 4
+    shown = _show(engine, run_id)  # `ddpdash show RUN` says what the page says
     if perturbed:
         named = [f for look in flags for f in look]
         assert sum("rank 1 is the straggler" in f for f in named) >= len(flags) - 1, flags  # within two refreshes
         assert not any("rank 0 is the straggler" in f for f in named), flags
+        assert "  straggler rank 1 is the straggler: the others wait ≈" in shown, shown
     else:
         assert flags == [[]] * len(flags), flags
+        assert "  straggler none: no rank holds the others back" in shown, shown
+
+
+def _show(engine: Engine, run_id: int) -> str:
+    import contextlib
+    import io
+
+    from ddpdash.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--db-url", engine.url.render_as_string(hide_password=False), "show", str(run_id)]) == 0
+    return out.getvalue()
 
 
 # ---- 9: kill -9 and a restart leave no gap in any rank's steps ---------------------------------------------
