@@ -116,6 +116,14 @@ def stalled(quiet: tuple[float, float] | None) -> bool:
     return quiet is not None and quiet[0] > max(STALLED_MIN_S, STALLED_INTERVALS * quiet[1])
 
 
+def hang_began(cache: SeriesCache, now: float | None = None) -> float | None:
+    """When the current hang began (the newest point of the earliest rank flagged as stalled), or None while no
+    rank is: a run's stacks are captured once per hang, the first refresh after this time."""
+    now = now or time.time()
+    starts = [now - q[0] for q in _quiet_per_rank(cache.get(Metric.LOSS), now).values() if stalled(q)]
+    return min(starts) if starts else None
+
+
 def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: float | None = None) -> pd.DataFrame:
     """One row per rank with a plain-words flag for stale heartbeats, stalled ranks and stragglers."""
     now = now or time.time()

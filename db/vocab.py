@@ -58,6 +58,7 @@ class EventKind:
     LOST = "lost"
     SUPERVISOR_LOST = "supervisor_lost"  # the supervisor died; the ranks went on without it
     DB_OUTAGE = "db_outage"  # the database was unreachable for a long while; metrics were held meanwhile
+    STACKS = "stacks"  # every rank's stack, captured (trainer/stacks.py): the verdict, the stacks as JSON
 
     PROBLEMS = (RANK_FAILED, FAILED, DESYNC, LOST, SUPERVISOR_LOST, DB_OUTAGE)
 

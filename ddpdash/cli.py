@@ -253,6 +253,22 @@ def cmd_sweep(engine: Engine, args: argparse.Namespace) -> int:
     return 0 if all(wait_with_progress(engine, run_id) == 0 for run_id in ids) else 1
 
 
+def cmd_stacks(engine: Engine, args: argparse.Namespace) -> int:
+    from ddpdash.trainer.stacks import capture_run
+
+    found = capture_run(engine, args.run)
+    print(found.verdict)
+    for stack in found.stacks:
+        own = stack.own_frame
+        print(f"\n-- rank {stack.rank} (pid {stack.pid}, {stack.method}{': ' + stack.note if stack.note else ''})")
+        if stack.error:
+            print(f"   {stack.error}")
+        for frame in stack.frames:
+            mark = "▶" if frame is own else " "
+            print(f" {mark} {frame.name} ({frame.where})")
+    return 0
+
+
 def cmd_queue(engine: Engine, args: argparse.Namespace) -> int:
     from ddpdash.trainer.queue import cancel, move_to_front, waiting_states
 
@@ -380,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--sweep-name", default="", help="the sweep's name [sweep-DATE-TIME]")
     sweep.add_argument("--wait", action="store_true", help="wait until every run has ended; exit 0 if all succeeded")
     add_run_flags(sweep)
+    sub.add_parser("stacks", help="every live rank's stack now (py-spy), with a verdict: who waits for whom"
+                   ).add_argument("run", type=int, metavar="RUN")
     queue = sub.add_parser("queue", help="the runs waiting for this machine: position and what each waits for")
     queue.add_argument("--cancel", type=int, metavar="RUN", help="take a waiting run out of the queue")
     queue.add_argument("--front", type=int, metavar="RUN", help="move a waiting run to the front")
@@ -401,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"launch": cmd_launch, "runs": cmd_runs, "show": cmd_show, "stop": cmd_stop, "logs": cmd_logs,
-            "export": cmd_export, "sweep": cmd_sweep, "queue": cmd_queue}
+            "export": cmd_export, "sweep": cmd_sweep, "queue": cmd_queue, "stacks": cmd_stacks}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -278,6 +278,36 @@ def spawn_torchrun(cfg: RunConfig, run_dir: RunDir, run_id: int, db_url: str,
 
 
 # ---- processes -------------------------------------------------------------------------------
+PY_SPY_TIMEOUT_S = 15.0
+
+
+def py_spy_dump(pid: int) -> tuple[bool, str]:
+    """py-spy's dump of a process (JSON, native frames too): (True, its output) or (False, why not)."""
+    import shutil
+    import sys
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    try:
+        out = subprocess.run([exe, "dump", "--pid", str(pid), "--json", "--native"], capture_output=True, text=True,
+                             timeout=PY_SPY_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return False, "py-spy is not installed (pip install py-spy)"
+    except subprocess.TimeoutExpired:
+        return False, f"py-spy took longer than {PY_SPY_TIMEOUT_S:g} s"
+    if out.returncode != 0:
+        return False, (out.stderr or out.stdout).strip() or f"py-spy exited with code {out.returncode}"
+    return True, out.stdout
+
+
+def signal_rank(pid: int, name: str) -> bool:
+    """Send a named signal to a live process; False when it is gone."""
+    try:
+        os.kill(pid, getattr(signal, name))
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def alive(pid: int | None, must_contain: str | None = None) -> bool:
     """True for a live (non-zombie) process, optionally whose command line mentions `must_contain`
     (a guard against a recycled PID)."""

@@ -4,6 +4,7 @@
     raise-once:RANK:STEP   the same, only in the first attempt (a restart then succeeds)
     perturb:RANK:STEP      rank RANK nudges one weight at STEP, so the replica-sync check must fire
     sleep:RANK:SECONDS     rank RANK sleeps SECONDS after each step (a straggler)
+    stall:RANK:STEP        rank RANK stops at STEP for an hour (a hang: the others wait in the next all-reduce)
     abort-exit:RANK:0      rank RANK dies with SIGABRT after finishing training (the teardown crash in NOTES)
 
 and DDPDASH_TEST_SAMPLE_LOG to a folder where each rank writes the sample indices it trained on.
@@ -27,7 +28,7 @@ def parse_faults(text: str | None = None) -> list[Fault]:
     faults = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         kind, rank, at = part.split(":")
-        if kind not in ("raise", "raise-once", "perturb", "sleep", "abort-exit"):
+        if kind not in ("raise", "raise-once", "perturb", "sleep", "stall", "abort-exit"):
             raise ValueError(f"DDPDASH_TEST_FAULT: unknown fault {kind!r}")
         faults.append(Fault(kind, int(rank), float(at)))
     return faults

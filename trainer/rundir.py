@@ -7,6 +7,7 @@
                              stored; the supervisor promotes it to checkpoint.pt once they are
         launch.env.json      the launcher's environment, kept (mode 0600) while the run waits in the queue, so
                              its supervisor starts as if launched then, whoever admits it; removed at start
+        stacks/rank<N>.txt   a rank's own dump of its threads (faulthandler), when py-spy cannot attach
         supervisor.log       the supervisor's own log
         torchrun.log         torchrun's output
         logs/<rdzv>_<rand>/attempt_<n>/<local_rank>/{stdout,stderr}.log, error.json   (torchrun's layout)
@@ -59,6 +60,10 @@ class RunDir:
             if digits.isdecimal():
                 found.append((int(digits), path))
         return sorted(found)
+
+    def stack_file(self, rank: int) -> Path:
+        """Where a rank's faulthandler writes its threads when asked (SIGUSR2: trainer/stacks.py)."""
+        return self.path / "stacks" / f"rank{rank}.txt"
 
     @property
     def launch_env(self) -> Path:

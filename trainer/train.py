@@ -410,6 +410,8 @@ def apply_faults(faults: list[Fault], env: DistEnv, step: int, module: nn.Module
             continue
         if f.kind == "sleep":
             time.sleep(f.at)
+        elif step == int(f.at) and f.kind == "stall":
+            time.sleep(3600)
         elif step == int(f.at):
             if f.kind == "raise" or (f.kind == "raise-once" and env.attempt == 0):
                 raise InjectedFault(f"injected fault on rank {env.rank} at step {step} (DDPDASH_TEST_FAULT)")
@@ -424,6 +426,19 @@ def _sample_log(env: DistEnv) -> Any:
         return None
     Path(folder).mkdir(parents=True, exist_ok=True)
     return open(Path(folder) / f"rank{env.rank}.attempt{env.attempt}.txt", "w")
+
+
+def _dump_threads_on_request(run_dir: RunDir, rank: int) -> None:
+    """SIGUSR2 makes this rank write all its threads' stacks (the fallback where py-spy cannot attach);
+    nothing runs until asked. Appended (the reader empties the file before it asks)."""
+    import faulthandler
+
+    path = run_dir.stack_file(rank)
+    try:
+        path.parent.mkdir(exist_ok=True)
+        faulthandler.register(signal.SIGUSR2, file=open(path, "a"), all_threads=True)  # noqa: SIM115 (kept open)
+    except OSError as exc:
+        log.warning("no stack dumps on request: %s", exc)
 
 
 # ---- entry -----------------------------------------------------------------------------------
@@ -453,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0 and env.attempt > 0:
         for _, stale in run_dir.pending_checkpoints():  # the failed attempt's: never to be promoted now
             stale.unlink(missing_ok=True)
+    _dump_threads_on_request(run_dir, env.rank)
     where = RankPlace(env.rank, str(env.device), env.attempt, env.world_size)
     logger, run_id, engine = open_logger(args.run_id, args.db_url, cfg.name, cfg.to_json(), where, run_dir,
                                          resume_step if resuming else None, key)

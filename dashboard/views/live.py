@@ -16,6 +16,7 @@ from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.control import StopError, stop
 from ddpdash.trainer.queue import cancel, is_waiting, move_to_front, waiting_states
 from ddpdash.trainer.rundir import RunDir, tail
+from ddpdash.trainer.stacks import capture_run, latest_capture
 
 REFRESH_S = 1.5
 STATUS_COLORS = {RunStatus.QUEUED: "gray", RunStatus.RUNNING: "blue", RunStatus.STOPPING: "orange",
@@ -77,6 +78,7 @@ def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> 
     _charts(cache, smoothing, log_scale, bool(run.config.get("script") or run.config.get("module")), run.is_active)
     st.subheader("Ranks")
     st.dataframe(livedata.rank_table(run, states, cache), hide_index=True, width="stretch")
+    _stacks(run, cache, evs)
     _events(evs, run)
     _logs(run)
     _system()
@@ -156,6 +158,31 @@ def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool, run_
     val, what = (acc, "accuracy") if not acc.empty else (val_loss, "loss")
     if not val.empty:
         right.altair_chart(charts.validation_chart(val, what), width="stretch")
+
+
+def _stacks(run: RunInfo, cache: livedata.SeriesCache, evs) -> None:  # type: ignore[no-untyped-def]
+    """Every rank's stack: captured once per hang by itself, or when asked; the newest capture with its verdict."""
+    latest = latest_capture(evs)
+    began = livedata.hang_began(cache) if run.is_active else None
+    asked = run.is_active and st.button("Stacks", icon=":material/stacks:",
+                                        help="Read every rank's stack now (py-spy): where each one is, who waits")
+    if asked or (began is not None and (latest is None or latest.at < began)):
+        with st.spinner("Reading every rank's stack…"):
+            latest = capture_run(state.engine(), run.id)
+    if latest is None:
+        return
+    st.subheader("Stacks")
+    when = time.strftime("%H:%M:%S", time.localtime(latest.at))
+    st.warning(f"{latest.verdict} (read at {when})", icon=":material/stacks:")
+    columns = st.columns(min(max(len(latest.stacks), 1), 4))
+    for i, stack in enumerate(latest.stacks):
+        with columns[i % len(columns)]:
+            st.markdown(f"**rank {stack.rank}** · {stack.method}" + (f" — {stack.note}" if stack.note else ""))
+            if stack.error:
+                st.caption(stack.error)
+            own = stack.own_frame
+            st.code("\n".join(f"{'▶' if f is own else ' '} {f.name}  {f.where}" for f in stack.frames) or "(empty)",
+                    language="text")
 
 
 def _events(evs, run: RunInfo) -> None:  # type: ignore[no-untyped-def]
