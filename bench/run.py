@@ -21,12 +21,13 @@ from bench import (
     logging_overhead,
     recipe_check,
     runs_page,
+    stacks_capture,
     trainer_vs_plain,
 )
 from bench.common import Result, machine, mode, parser, print_results
 
 BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, trainer_vs_plain, launch_latency,
-              recipe_check, runs_page)
+              recipe_check, runs_page, stacks_capture)
 
 
 def main() -> None:

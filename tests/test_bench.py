@@ -23,8 +23,8 @@ def test_every_benchmark_runs_and_prints_a_result_line_per_target(tmp_path) -> N
     summary = result.stdout.split("== summary", 1)[1]
     targets = [m.group(0).split(":")[0] for m in LINE.finditer(summary)]
     # logging ×4 (the trainer and a script's ddpdash.log(), 1 process and 2 ranks), log() cost, ingest ×2,
-    # chart, live, trainer and a recipe against plain DDP, launch, the recipe check, the Runs page ×2
-    assert len(targets) == 15, summary
+    # chart, live, trainer and a recipe against plain DDP, launch, the recipe check, the Runs page ×2, stacks
+    assert len(targets) == 16, summary
 
 
 def test_a_batch_costs_its_quad_and_what_spills_into_the_next() -> None:
