@@ -318,3 +318,16 @@ def test_compare_draws_one_line_per_group(engine: Engine) -> None:
     assert {r["series"] for r in rows} == {"lr=0.1", "lr=0.2"}
     at_10 = {r["series"]: r for r in rows if r["x"] == 10.0}
     assert at_10["lr=0.2"]["value"] == pytest.approx(0.6 * (2.0 * math.exp(-10 / 7.5) + 0.1))
+
+
+def test_a_run_folder_that_cannot_be_written_fails_the_run_instead_of_queueing_it(engine: Engine,
+                                                                                  home: Path) -> None:
+    from ddpdash.trainer.control import LaunchError
+
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "runs").write_text("a file where the runs' folder should be")
+    with pytest.raises(LaunchError, match="could not write the run folder"):
+        launch(engine, tiny(), CPU_MACHINE)
+    with Session(engine) as s:
+        [run] = list_runs(s)
+    assert run.status == RunStatus.FAILED and "could not write the run folder" in run.error

@@ -106,7 +106,7 @@ def enqueue(engine: Engine, cfg: RunConfig, *, db_url: str | None = None, sweep:
     """Queue a prepared config: its row (waiting), folder, config file and the launcher's environment."""
     from sqlalchemy.orm import Session
 
-    from ddpdash.db.runs import add_event, create_run, update_run
+    from ddpdash.db.runs import add_event, create_run, finish_run, update_run
 
     from .queue import dispatch
 
@@ -116,12 +116,17 @@ def enqueue(engine: Engine, cfg: RunConfig, *, db_url: str | None = None, sweep:
         run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=cfg.world_size,
                             host=socket.gethostname(), sweep=sweep, group_name=cfg.group, admitted=False,
                             trains=cfg.what, backend=cfg.resolved_backend)
-    run_dir = new_run_dir(run_id)
-    run_dir.config.write_text(cfg.to_json())
-    env = torchrun_env(cfg, db_url, run_key=key)
-    fd = os.open(run_dir.launch_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold a password
-    with os.fdopen(fd, "w") as f:
-        json.dump(env, f)
+    try:
+        run_dir = new_run_dir(run_id)
+        run_dir.config.write_text(cfg.to_json())
+        env = torchrun_env(cfg, db_url, run_key=key)
+        fd = os.open(run_dir.launch_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold a password
+        with os.fdopen(fd, "w") as f:
+            json.dump(env, f)
+    except OSError as exc:  # a full disk, an unwritable DDPDASH_HOME: the run must not wait for ever
+        with Session(engine) as s, s.begin():
+            finish_run(s, run_id, RunStatus.FAILED, error=f"could not write the run folder: {exc}")
+        raise LaunchError(f"could not write the run folder: {exc}") from exc
     with Session(engine) as s, s.begin():
         update_run(s, run_id, run_dir=str(run_dir.path))
         add_event(s, run_id, EventKind.QUEUED, "queued")
