@@ -136,7 +136,7 @@ def test_the_queue_lock_holds_on_postgres(pg: Engine, pg_url: str) -> None:
     from tests.test_queue import _admit_in_a_process
 
     with Session(pg) as s, s.begin():
-        ids = [create_run(s, key=f"pg-race-{i}", name=f"pg-race-{i}", world_size=1, admitted=False,
+        ids = [create_run(s, key=f"pg-race-{i}", name=f"pg-race-{i}", world_size=1, admitted=False, run_dir="q",
                           host=socket.gethostname(), config_json=RunConfig(devices=(i % 2,)).to_json())
                for i in range(10)]
     with multiprocessing.get_context("spawn").Pool(5) as pool:

@@ -127,7 +127,7 @@ def test_racing_processes_never_admit_two_runs_onto_one_gpu(engine: Engine, db_u
     """Five processes decide at once over ten runs that all want GPU 0 or GPU 1: the lock lets exactly one
     run per GPU in. (The decision alone: no GPU here to start them on.)"""
     with Session(engine) as s, s.begin():
-        ids = [create_run(s, key=f"race-{i}", name=f"race-{i}", world_size=1, admitted=False,
+        ids = [create_run(s, key=f"race-{i}", name=f"race-{i}", world_size=1, admitted=False, run_dir="queued",
                           host=__import__("socket").gethostname(),
                           config_json=RunConfig(devices=(i % 2,)).to_json()) for i in range(10)]
     with multiprocessing.get_context("spawn").Pool(5) as pool:
@@ -331,3 +331,18 @@ def test_a_run_folder_that_cannot_be_written_fails_the_run_instead_of_queueing_i
     with Session(engine) as s:
         [run] = list_runs(s)
     assert run.status == RunStatus.FAILED and "could not write the run folder" in run.error
+
+
+def test_a_run_being_queued_is_not_admitted_before_its_folder_is_written(engine: Engine) -> None:
+    """The race a sequence of launches found: a run ending elsewhere dispatched while a new run's row existed but
+    its folder and environment were not yet written, and its supervisor could not start."""
+    with Session(engine) as s, s.begin():
+        half = create_run(s, key="half", name="half", world_size=1, admitted=False,
+                          host=__import__("socket").gethostname(), config_json=RunConfig(num_procs=1).to_json())
+    assert admit(engine) == []  # no folder recorded yet: not in line
+    with Session(engine) as s:
+        assert waiting_states(s) == {} and get_run(s, half).status == RunStatus.QUEUED
+        from ddpdash.trainer.control import reconcile
+    assert reconcile(engine, now=time.time() + 3600) == [half]  # a launcher that died half-way: lost, in time
+    with Session(engine) as s:
+        assert "never fully queued" in get_run(s, half).error

@@ -128,7 +128,7 @@ def enqueue(engine: Engine, cfg: RunConfig, *, db_url: str | None = None, sweep:
             finish_run(s, run_id, RunStatus.FAILED, error=f"could not write the run folder: {exc}")
         raise LaunchError(f"could not write the run folder: {exc}") from exc
     with Session(engine) as s, s.begin():
-        update_run(s, run_id, run_dir=str(run_dir.path))
+        update_run(s, run_id, run_dir=str(run_dir.path))  # last: from now on the queue may admit it (queue.is_waiting)
         add_event(s, run_id, EventKind.QUEUED, "queued")
     dispatch(engine)
     return run_id
@@ -473,8 +473,10 @@ def _why_lost(engine: Engine, run: RunInfo, host: str, now: float) -> str | None
             return None
         return f"the supervisor (pid {run.supervisor_pid}) is gone while the run was {run.status}"
     if run.status == RunStatus.QUEUED and run.supervisor_pid is None:
+        if run.admitted_at is None and not run.run_dir and now - run.created_at >= QUEUED_GRACE_S:
+            return "it was never fully queued: its launcher stopped while writing its folder"
         if run.admitted_at is None or now - run.admitted_at < QUEUED_GRACE_S:
-            return None  # waiting in the queue, or admitted and its supervisor not yet recorded
+            return None  # waiting in the queue (or being queued), or admitted and its supervisor not yet recorded
         return "its supervisor never started"
     if run.host == host and any(processes):
         # Its processes are known here: they are the truth (a script that never logs has no heartbeat).

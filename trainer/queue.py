@@ -135,7 +135,9 @@ def _busy_and_waiting(s: Session, host: str) -> tuple[list[RunInfo], list[RunInf
 
 
 def is_waiting(run: RunInfo) -> bool:
-    return run.status == RunStatus.QUEUED and run.admitted_at is None
+    """Queued and not yet admitted — and fully queued: enqueue records the run's folder last, after its config and
+    environment are written, so a decision taken meanwhile (another run ending) cannot start it half-made."""
+    return run.status == RunStatus.QUEUED and run.admitted_at is None and bool(run.run_dir)
 
 
 def waiting_states(s: Session, host: str | None = None) -> dict[int, tuple[int, str]]:
