@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ddpdash.db.runs import lock_queue
 from ddpdash.db.vocab import EventKind, RunStatus
 
 from .config import ConfigInvalid, RunConfig
@@ -120,12 +121,6 @@ def plan(busy: list[Need], waiting: list[Need], slots: int) -> Plan:
 
 
 # ---- the database side ----------------------------------------------------------------------------------
-def _lock(s: Session) -> None:
-    from ddpdash.db.runs import lock_queue
-
-    lock_queue(s)
-
-
 def _busy_and_waiting(s: Session, host: str) -> tuple[list[RunInfo], list[RunInfo]]:
     from ddpdash.db.runs import list_runs
 
@@ -165,7 +160,7 @@ def admit(engine: Engine) -> list[int]:
 
     host = socket.gethostname()
     with Session(engine) as s, s.begin():
-        _lock(s)  # first: every decision below sees what the previous one committed
+        lock_queue(s)  # first: every decision below sees what the previous one committed
         busy, waiting = _busy_and_waiting(s, host)
         if not waiting:
             return []
@@ -184,7 +179,7 @@ def cancel(engine: Engine, run_id: int) -> bool:
     from ddpdash.db.runs import add_event, finish_run, get_run
 
     with Session(engine) as s, s.begin():
-        _lock(s)
+        lock_queue(s)
         if not is_waiting(get_run(s, run_id)):
             return False
         finish_run(s, run_id, RunStatus.CANCELLED)
@@ -200,7 +195,7 @@ def move_to_front(engine: Engine, run_id: int) -> bool:
     from ddpdash.db.runs import front_of_queue, get_run, update_run
 
     with Session(engine) as s, s.begin():
-        _lock(s)
+        lock_queue(s)
         if not is_waiting(get_run(s, run_id)):
             return False
         update_run(s, run_id, queue_order=(front_of_queue(s) or time.time()) - 1.0)
