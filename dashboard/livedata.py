@@ -14,17 +14,10 @@ from sqlalchemy.orm import Session
 from ddpdash.db.queries import DEFAULT_POINT_BUDGET, SERIES_COLUMNS, metric_series
 from ddpdash.db.runs import RunInfo
 from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
+from ddpdash.trainer import health
 
 LIVE_METRICS = Metric.LIVE
 STALE_HEARTBEAT_S = 15.0
-# A straggler is the rank the others wait for: with DDP every rank's step ends at the same all-reduce,
-# so the others' steps (which include that wait) take longer than its own. Flagged when, over the
-# recent window, the others' median step takes at least this much longer than its median...
-STRAGGLER_WAIT_SHARE = 0.3
-STRAGGLER_MIN_WAIT_S = 0.005  # ...and at least this long: a few-microsecond gap is noise, not a wait
-STRAGGLER_WINDOW = 30  # the newest points of each rank it judges by (one step is too noisy to tell)
-STALLED_MIN_S = 60.0  # a rank whose points stop for this long and for
-STALLED_INTERVALS = 10  # this many of its usual intervals between points has stopped stepping
 
 
 @dataclass
@@ -100,38 +93,23 @@ def _last_per_rank(df: pd.DataFrame) -> pd.Series:
     return df.sort_values("step").groupby("rank")["value"].last()
 
 
-def _quiet_per_rank(df: pd.DataFrame, now: float) -> dict[int, tuple[float, float]]:
-    """Per rank: seconds since its newest point, and its usual interval between points (over the run)."""
-    out: dict[int, tuple[float, float]] = {}
-    for rank, points in df.groupby("rank"):
-        count = int(points["count"].sum())
-        if count < 3:
-            continue  # too few points to know its pace
-        first, last = float(points["time"].min()), float(points["time"].max())
-        out[int(rank)] = (now - last, (last - first) / (count - 1))
-    return out
+def hang_began(cache: SeriesCache, run: RunInfo, now: float | None = None) -> float | None:
+    """When the run's current hang began (trainer.health.hang_began), None while no rank is stalled."""
+    return health.hang_began(cache.get(Metric.LOSS), now or time.time(), hang_after_s(run))
 
 
-def stalled(quiet: tuple[float, float] | None) -> bool:
-    return quiet is not None and quiet[0] > max(STALLED_MIN_S, STALLED_INTERVALS * quiet[1])
-
-
-def hang_began(cache: SeriesCache, now: float | None = None) -> float | None:
-    """When the current hang began (the newest point of the earliest rank flagged as stalled), or None while no
-    rank is: a run's stacks are captured once per hang, the first refresh after this time."""
-    now = now or time.time()
-    starts = [now - q[0] for q in _quiet_per_rank(cache.get(Metric.LOSS), now).values() if stalled(q)]
-    return min(starts) if starts else None
+def hang_after_s(run: RunInfo) -> float:
+    return float(run.config.get("hang_after_s") or health.HANG_AFTER_S)
 
 
 def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: float | None = None) -> pd.DataFrame:
     """One row per rank with a plain-words flag for stale heartbeats, stalled ranks and stragglers."""
     now = now or time.time()
-    quiet = _quiet_per_rank(cache.get(Metric.LOSS), now)
+    quiet = health.quiet_per_rank(cache.get(Metric.LOSS), now)
     loss = _last_per_rank(cache.get(Metric.LOSS))
     speed = _last_per_rank(cache.get(Metric.SAMPLES_PER_S))
     step_time = _last_per_rank(cache.get(Metric.STEP_TIME))
-    straggler = find_straggler(cache.get(Metric.STEP_TIME))
+    straggler = health.find_straggler(cache.get(Metric.STEP_TIME))
     rows = []
     for st_row in states.itertuples(index=False):
         rank = int(st_row.rank)
@@ -147,45 +125,15 @@ def rank_table(run: RunInfo, states: pd.DataFrame, cache: SeriesCache, now: floa
                                        "heartbeat age (s)", "host", "device", "flag"])
 
 
-@dataclass(frozen=True)
-class Straggler:
-    rank: int
-    wait_s: float  # how much longer the others' steps take: the time they wait for it
-    own_s: float  # its own median step
-    others_s: float  # the others' median step
-
-    def text(self) -> str:
-        return (f"rank {self.rank} is the straggler: the others wait ≈ {self.wait_s * 1e3:.0f} ms per step for it "
-                f"(their steps take {self.others_s * 1e3:.0f} ms, its own {self.own_s * 1e3:.0f} ms)")
-
-
-def find_straggler(step_times: pd.DataFrame, window: int = STRAGGLER_WINDOW) -> Straggler | None:
-    """The rank the others wait for, judged by each rank's median step time over its newest points:
-    the one that waits least, when the others wait markedly (STRAGGLER_WAIT_SHARE, STRAGGLER_MIN_WAIT_S).
-    None for a healthy run, or with fewer than two ranks."""
-    if step_times.empty:
-        return None
-    recent = step_times.sort_values("step").groupby("rank").tail(window)
-    medians = recent.groupby("rank")["value"].median().dropna()
-    if len(medians) < 2:
-        return None
-    rank = int(medians.idxmin())
-    own, others = float(medians[rank]), float(medians.drop(rank).median())
-    wait = others - own
-    if wait >= STRAGGLER_MIN_WAIT_S and wait >= STRAGGLER_WAIT_SHARE * own:
-        return Straggler(rank, wait, own, others)
-    return None
-
-
 def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, rank: int,
-              quiet: tuple[float, float] | None = None, straggler: Straggler | None = None) -> str:
+              quiet: health.Quiet | None = None, straggler: health.Straggler | None = None) -> str:
     """The heartbeat says the process is alive (its metrics thread still talks); steps say it works:
     a rank stuck in a collective keeps its heartbeat and stops stepping."""
     if not run.is_active or status != RankStatus.RUNNING:
         return ""
     if heartbeat_age is not None and heartbeat_age > STALE_HEARTBEAT_S:
         return f"no heartbeat for {heartbeat_age:.0f} s: the process is frozen or dead"
-    if stalled(quiet):
+    if health.stalled(quiet, hang_after_s(run)):
         assert quiet is not None
         return (f"no new step for {quiet[0]:.0f} s (it logs every {quiet[1]:.1f} s): hung — a collective "
                 "waiting on a peer, a deadlock — or in a long pause (evaluation, checkpoint)")

@@ -59,8 +59,13 @@ class EventKind:
     SUPERVISOR_LOST = "supervisor_lost"  # the supervisor died; the ranks went on without it
     DB_OUTAGE = "db_outage"  # the database was unreachable for a long while; metrics were held meanwhile
     STACKS = "stacks"  # every rank's stack, captured (trainer/stacks.py): the verdict, the stacks as JSON
+    HUNG = "hung"  # a rank stopped stepping (trainer/health.py): its stacks' verdict, the Flight Recorder's finding
+    STRAGGLER = "straggler"  # the rank the others wait for (trainer/health.py)
+    NONFINITE = "nonfinite"  # a rank's first non-finite loss or gradient norm
+    PROFILE = "profile"  # a rank's torch.profiler trace of N steps (trainer/profiling.py): its top operators as JSON
+    ALERT_FAILED = "alert_failed"  # a webhook could not be delivered (trainer/alerts.py)
 
-    PROBLEMS = (RANK_FAILED, FAILED, DESYNC, LOST, SUPERVISOR_LOST, DB_OUTAGE)
+    PROBLEMS = (RANK_FAILED, FAILED, DESYNC, LOST, SUPERVISOR_LOST, DB_OUTAGE, HUNG, NONFINITE, ALERT_FAILED)
 
 
 class Metric:
@@ -72,6 +77,15 @@ class Metric:
     STEP_TIME = "step_time"
     DATA_TIME = "data_time"
     LR = "lr"
+    GRAD_NORM = "grad_norm"  # the total gradient norm, at log steps
+    # Where a step's time goes (seconds per step, per log window; trainer/phases.py): the trainer's own
+    # timers, and DDP's sampled backward timings (compute, communication, their overlap).
+    FORWARD_TIME = "forward_time"
+    BACKWARD_TIME = "backward_time"
+    OPTIMIZER_TIME = "optimizer_time"
+    COMM_TIME = "comm_time"  # the backward's all-reduce, from its first bucket's start to its last's end
+    COMM_OVERLAP_TIME = "comm_overlap_time"  # the part of it that ran while backward still computed
+    COMM_SHARE = "comm_share"  # comm_time over the whole step (data wait included): 0..1
     GPU_MEM_MB = "gpu_mem_mb"
     ACC = "acc"  # the built-in classification recipes' accuracy
     VAL_PREFIX = "val_"  # a recipe's metrics over the validation set, e.g. val_acc
@@ -79,4 +93,6 @@ class Metric:
     VAL_ACC = VAL_PREFIX + ACC
     EPOCH = "epoch"
 
-    LIVE = (LOSS, SAMPLES_PER_S, TOKENS_PER_S, STEP_TIME, DATA_TIME, VAL_LOSS, VAL_ACC)
+    PHASES = (DATA_TIME, FORWARD_TIME, BACKWARD_TIME, OPTIMIZER_TIME)  # a step, in order (backward holds the wait)
+    LIVE = (LOSS, SAMPLES_PER_S, TOKENS_PER_S, STEP_TIME, DATA_TIME, VAL_LOSS, VAL_ACC, FORWARD_TIME, BACKWARD_TIME,
+            OPTIMIZER_TIME, COMM_TIME, COMM_OVERLAP_TIME, COMM_SHARE)

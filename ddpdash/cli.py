@@ -200,8 +200,8 @@ def _what(run: Any) -> str:
 
 
 def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
-    from ddpdash.dashboard.livedata import find_straggler
     from ddpdash.db.queries import metric_series
+    from ddpdash.trainer.health import find_straggler
 
     with Session(engine) as s:
         run = get_run(s, args.run)

@@ -9,6 +9,7 @@ import pandas as pd
 from ddpdash.dashboard import livedata
 from ddpdash.dashboard.text import md_escape
 from ddpdash.db.runs import RunInfo
+from ddpdash.trainer import health
 
 
 def run_info(status: str = "running", total: int | None = 100, started: float | None = None) -> RunInfo:
@@ -87,7 +88,7 @@ def test_noise_between_healthy_ranks_is_not_a_straggler() -> None:
         for rank in (0, 1):
             v = 0.0008 * (3.4 if rank == slow and step % 3 else 1.7 if rank == slow else 1.0)
             rows.append({"rank": rank, "step": step, "value": v, "vmin": v, "vmax": v, "time": 0.0, "count": 1})
-    assert livedata.find_straggler(pd.DataFrame(rows)) is None
+    assert health.find_straggler(pd.DataFrame(rows)) is None
 
 
 def test_finished_runs_are_not_flagged() -> None:

@@ -13,13 +13,14 @@ import os
 import sys
 from pathlib import Path
 
-from . import mpi
+from . import flight_recorder, mpi
 from .config import RunConfig, settable_fields
 from .rundir import RunDir
 
 SHUTDOWN_TIMEOUT_S = 4  # torchrun's grace for workers after SIGTERM before it SIGKILLs them
 RANK_MODULE = "ddpdash.trainer"  # what torchrun runs on every rank
 SUPERVISOR_MODULE = "ddpdash.trainer.supervisor"
+RUN_DIR_ENV = "DDPDASH_RUN_DIR"  # the run's folder, for a user's script's ranks (ddpdash.api reads requests there)
 RUN_KEY_ENV = "DDPDASH_RUN_KEY"  # the run's unique key: checkpoints carry it, and only that run resumes them
 
 
@@ -58,8 +59,10 @@ def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sy
     ]
 
 
-def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None,
-                 run_key: str | None = None, run_id: int | None = None) -> dict[str, str]:
+def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None, run_key: str | None = None,
+                 run_id: int | None = None, run_dir: RunDir | None = None) -> dict[str, str]:
+    """The ranks' environment: the launcher's, with the run's settings, its folder (where the ranks read
+    requests: trainer/requests.py) and the Flight Recorder turned on."""
     env = dict(os.environ if base is None else base)
     if run_key:
         env[RUN_KEY_ENV] = run_key
@@ -70,6 +73,9 @@ def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None
     env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.world_size, 1)))
     env["DDPDASH_DB_URL"] = db_url
     env["PYTHONUNBUFFERED"] = "1"
+    if run_dir is not None:
+        env[RUN_DIR_ENV] = str(run_dir.path)
+        env.update({k: v for k, v in flight_recorder.rank_env(run_dir.path).items() if k not in env})
     if not cfg.uses_script:
         # The trainer runs in the user's project folder for their recipe: their `utils.py` must not stand in
         # for a module of ours or torch's, so that folder is put on sys.path by the trainer, after its imports.

@@ -109,6 +109,12 @@ class RunConfig:
     max_restarts: int = _f(0, "Times torchrun restarts the group after a rank fails.", "Advanced DDP", min=0, max=10)
     pg_timeout_s: int = _f(120, "Process-group timeout in seconds (a hang fails after this).", "Advanced DDP",
                            min=10, max=86_400)
+    hang_after_s: int = _f(60, "A rank without a new step for this long (and for ten of its usual intervals "
+                               "between steps) is flagged hung: its stacks are read and an alert sent.",
+                           "Diagnostics", min=5, max=86_400)
+    webhook: str = _f("", "A URL that gets a JSON POST when the run succeeds, fails, is lost or hangs, and on a "
+                          "desync, a non-finite loss or a straggler (Slack and Mattermost show its text as is); "
+                          "empty: DDPDASH_WEBHOOK_URL, if set.", "Diagnostics")
     memory_check: bool = _f(True, "Refuse a run whose memory estimate exceeds what this machine (or GPU) has free.",
                             "Advanced DDP")
     script: str = _f("", "Your own torchrun script (a .py file) instead of a built-in model; it logs with "
@@ -370,6 +376,21 @@ class ConfigInvalid(ValueError):
         return out
 
 
+def webhook_problem(url: str) -> str | None:
+    """Why `url` cannot be a webhook, or None: an http(s) URL with a host, at most 2,000 characters."""
+    from urllib.parse import urlsplit
+
+    if len(url) > 2000 or not url.isprintable() or any(c.isspace() for c in url):
+        return "must be one URL of at most 2,000 characters, without spaces"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        return f"is not a URL: {exc}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"must be an http:// or https:// URL with a host, got {url!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class Machine:
     """What this machine offers; validation checks a config against it."""
@@ -407,6 +428,8 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         err("name", "must be at most 200 printable characters")
     if len(cfg.group) > 200 or not cfg.group.isprintable():
         err("group", "must be at most 200 printable characters")
+    if cfg.webhook and (why := webhook_problem(cfg.webhook)):
+        err("webhook", why)
 
     if cfg.devices:
         if len(set(cfg.devices)) != len(cfg.devices):

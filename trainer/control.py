@@ -277,7 +277,7 @@ def spawn_torchrun(cfg: RunConfig, run_dir: RunDir, run_id: int, db_url: str,
     with open(run_dir.torchrun_log, "ab") as out:
         return subprocess.Popen(
             torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env={**torchrun_env(cfg, db_url, run_id=run_id), **relay_env},
+            env={**torchrun_env(cfg, db_url, run_id=run_id, run_dir=run_dir), **relay_env},
             cwd=rank_workdir(cfg, run_dir),
         )
 
@@ -302,6 +302,28 @@ def py_spy_dump(pid: int) -> tuple[bool, str]:
     if out.returncode != 0:
         return False, (out.stderr or out.stdout).strip() or f"py-spy exited with code {out.returncode}"
     return True, out.stdout
+
+
+ANALYSER_TIMEOUT_S = 30.0
+
+
+def analyse_flight_recorder(folder: Path) -> dict[str, str]:
+    """torch's Flight Recorder analyser over one dump folder, in a child process (it unpickles the ranks'
+    dumps): {"finding": a line, "report": what it printed}."""
+    import sys
+
+    from .flight_recorder import ANALYSER_MODULE
+
+    try:
+        out = subprocess.run([sys.executable, "-m", ANALYSER_MODULE, str(folder)], capture_output=True, text=True,
+                             timeout=ANALYSER_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"finding": f"the Flight Recorder analyser took longer than {ANALYSER_TIMEOUT_S:g} s", "report": ""}
+    try:
+        return dict(json.loads(out.stdout))
+    except ValueError:
+        why = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
+        return {"finding": f"the Flight Recorder analyser failed: {why}", "report": out.stderr[-4000:]}
 
 
 def signal_rank(pid: int, name: str) -> bool:

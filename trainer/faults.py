@@ -5,6 +5,7 @@
     perturb:RANK:STEP      rank RANK nudges one weight at STEP, so the replica-sync check must fire
     sleep:RANK:SECONDS     rank RANK sleeps SECONDS after each step (a straggler)
     stall:RANK:STEP        rank RANK stops at STEP for an hour (a hang: the others wait in the next all-reduce)
+    nan:RANK:STEP          rank RANK sets a weight to NaN after STEP (its next loss is NaN; the all-reduce spreads it)
     abort-exit:RANK:0      rank RANK dies with SIGABRT after finishing training (the teardown crash in NOTES)
 
 and DDPDASH_TEST_SAMPLE_LOG to a folder where each rank writes the sample indices it trained on.
@@ -28,7 +29,7 @@ def parse_faults(text: str | None = None) -> list[Fault]:
     faults = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         kind, rank, at = part.split(":")
-        if kind not in ("raise", "raise-once", "perturb", "sleep", "stall", "abort-exit"):
+        if kind not in ("raise", "raise-once", "perturb", "sleep", "stall", "nan", "abort-exit"):
             raise ValueError(f"DDPDASH_TEST_FAULT: unknown fault {kind!r}")
         faults.append(Fault(kind, int(rank), float(at)))
     return faults

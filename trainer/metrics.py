@@ -12,9 +12,10 @@ Standard library only at import: a rank that relays never loads the database lay
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from ddpdash.db.columns import MAX_BUFFERED_LOGS, Batch, Event, LogRow, group_logs
@@ -55,6 +56,7 @@ class RankLogger:
         self._status: str | None = None
         self._total: int | None = None
         self._quiet = True  # nothing logged yet: the first point goes at once, so the run shows up live sooner
+        self.on_tick: Callable[[], object] | None = None  # run on the logger's thread after each send (requests)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._send_lock = threading.Lock()
@@ -113,6 +115,11 @@ class RankLogger:
                 return  # close() sends what is left
             with self._send_lock:
                 self.sender.send(self._take())
+            if self.on_tick is not None:
+                try:
+                    self.on_tick()
+                except Exception:  # what it does is a diagnosis: never the end of the logger's thread
+                    logging.getLogger(__name__).exception("a metrics-thread task failed")
 
     def _take(self) -> Batch:
         logs, events = _drain(self._logs), _drain(self._events)

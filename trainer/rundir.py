@@ -8,6 +8,11 @@
         launch.env.json      the launcher's environment, kept (mode 0600) while the run waits in the queue, so
                              its supervisor starts as if launched then, whoever admits it; removed at start
         stacks/rank<N>.txt   a rank's own dump of its threads (faulthandler), when py-spy cannot attach
+        requests/<id>.json   what the dashboard or CLI asks of the running ranks (trainer/requests.py): a Flight
+                             Recorder dump, a profile of N steps; each rank reads them on its metrics thread
+        flight_recorder/<id>/rank_<N>   a rank's Flight Recorder buffer (torch's pickle), one folder per dump:
+                             on request (a hang), `failure` when a rank raised, `timeout` from NCCL's watchdog
+        profiles/<id>/rank<N>.trace.json.gz, rank<N>.ops.json   a rank's torch.profiler trace and top operators
         supervisor.log       the supervisor's own log
         torchrun.log         torchrun's output
         logs/<rdzv>_<rand>/attempt_<n>/<local_rank>/{stdout,stderr}.log, error.json   (torchrun's layout)
@@ -64,6 +69,18 @@ class RunDir:
     def stack_file(self, rank: int) -> Path:
         """Where a rank's faulthandler writes its threads when asked (SIGUSR2: trainer/stacks.py)."""
         return self.path / "stacks" / f"rank{rank}.txt"
+
+    @property
+    def requests(self) -> Path:
+        return self.path / "requests"
+
+    def flight_recorder(self, dump: str) -> Path:
+        """The folder of one Flight Recorder dump: a file `rank_<N>` per rank (torch's analyser reads it so)."""
+        return self.path / "flight_recorder" / dump
+
+    def profile(self, request: str) -> Path:
+        """The folder of one profile: every rank's trace and top operators."""
+        return self.path / "profiles" / request
 
     @property
     def launch_env(self) -> Path:

@@ -27,13 +27,16 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ddpdash.db.vocab import EventKind, Metric, RankStatus
 from ddpdash.recipe import Recipe
 
-from . import mpi
+from . import flight_recorder, mpi
 from .config import RunConfig
 from .data import Samples
 from .faults import Fault, InjectedFault, parse_faults
 from .metrics import RankLogger
+from .phases import CommSampler, comm_metrics, sample_every, start_sampling
+from .profiling import ProfileHook
 from .recipes import batch_length, forward, load_recipe, to_device
 from .registry import RankPlace, open_logger, record_outcome_if_unsupervised, run_key
+from .requests import RankRequests
 from .rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -216,18 +219,54 @@ def sync_check(model: nn.Module, env: DistEnv) -> list[int]:
     return [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
 
 
+class PhaseClock:
+    """Sums each phase's time over a log window: perf_counter on CPU; CUDA events on a GPU (the work is
+    asynchronous there), read at the log step, which waits for the device anyway."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.sums: dict[str, float] = dict.fromkeys(Metric.PHASES, 0.0)
+        self.pending: list[tuple[str, Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, phase: str, start: Any, end: Any) -> None:
+        if self.cuda:
+            self.pending.append((phase, start, end))
+        else:
+            self.sums[phase] += end - start
+
+    def totals(self) -> dict[str, float]:
+        for phase, start, end in self.pending:
+            self.sums[phase] += start.elapsed_time(end) / 1e3
+        self.pending.clear()
+        return self.sums
+
+
 @dataclass
 class Window:
     """What happened since the last log line."""
 
+    first_step: int
+    cuda: bool = False
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
     samples: int = 0
     compute_s: float = 0.0
     data_s: float = 0.0
-    loss_sum: torch.Tensor | None = None
+    losses: list[torch.Tensor] = field(default_factory=list)  # each micro-batch's, on the device till a log step
+    grad_norm: torch.Tensor | None = None  # the log step's, before its update
     micro_batches: int = 0
     metric_sums: dict[str, Any] = field(default_factory=dict)  # the recipe's metrics, as tensors till a log step
+    phases: PhaseClock = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.phases = PhaseClock(self.cuda)
 
 
 # ---- the loop --------------------------------------------------------------------------------
@@ -246,16 +285,23 @@ class Trainee:
     tokens_per_sample: int
     run_key: str  # whose checkpoints these are
     checkpoint_path: Callable[[int], Path]  # where the checkpoint of a step goes
+    comm: CommSampler | None = None  # DDP's sampled backward timings (None without DDP)
+    nonfinite_reported: bool = False  # a rank reports its first non-finite loss or gradient norm only
 
 
 def make_trainee(cfg: RunConfig, env: DistEnv, recipe: Recipe, run_key: str,
                  checkpoint_path: Callable[[int], Path]) -> Trainee:
     module = recipe.model.to(env.device)
+    model = wrap_ddp(cfg, module, env)
+    comm = None
+    if isinstance(model, DDP):
+        start_sampling(model, sample_every(cfg.log_every, cfg.grad_accum_steps, env.device.type == "cuda"))
+        comm = CommSampler(model)
     return Trainee(
-        cfg, env, recipe, module, wrap_ddp(cfg, module, env), make_optimizer(cfg, module.parameters()),
+        cfg, env, recipe, module, model, make_optimizer(cfg, module.parameters()),
         torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16"),
         samples_per_step=cfg.batch_size * cfg.grad_accum_steps,
-        tokens_per_sample=recipe.tokens_per_sample, run_key=run_key, checkpoint_path=checkpoint_path,
+        tokens_per_sample=recipe.tokens_per_sample, run_key=run_key, checkpoint_path=checkpoint_path, comm=comm,
     )
 
 
@@ -280,7 +326,7 @@ def make_loader(t: Trainee) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
 
 def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, stop: StopFlag,
           faults: list[Fault], run_key: str, checkpoint: dict[str, Any] | None = None,
-          supervised: bool = False) -> str:
+          supervised: bool = False, profile: ProfileHook | None = None) -> str:
     """Train until done or asked to stop; returns the rank's final status (done or stopped). A supervised
     run writes its checkpoints as pending: the supervisor promotes one once every rank's metrics up to
     its step are stored, so a restart never resumes past metrics that were lost with a killed rank."""
@@ -293,7 +339,8 @@ def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, sto
     if env.rank == 0:
         logger.set_total_steps(total)
     sample_log = _sample_log(env)
-    window = Window()
+    cuda = env.device.type == "cuda"
+    window = Window(step + 1, cuda)
     first_step = step
     epoch = step // steps_per_epoch
     while step < total and not stop.requested:
@@ -307,9 +354,12 @@ def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, sto
             step += 1
             # static_graph + no_sync fails on the very first iteration (NOTES): sync that one fully.
             may_skip_sync = env.distributed and not (cfg.static_graph and step == first_step + 1)
-            train_step(t, step, batches, window, may_skip_sync, sample_log)
+            log_step = step % cfg.log_every == 0 or step == total
+            train_step(t, step, batches, window, may_skip_sync, sample_log, log_step)
             apply_faults(faults, env, step, t.module)
-            window = after_step(t, step, total, window, logger, run_dir)
+            window = after_step(t, step, log_step, window, logger)
+            if profile is not None:
+                profile.tick(step)
         if step % steps_per_epoch == 0 or step >= total:
             if env.rank == 0:
                 logger.log(step, {**evaluate(cfg, t.module, t.recipe, env.device), Metric.EPOCH: float(epoch + 1)})
@@ -320,16 +370,17 @@ def train(cfg: RunConfig, env: DistEnv, logger: RankLogger, run_dir: RunDir, sto
 
 
 def train_step(t: Trainee, step: int, batches: Iterator[Any], window: Window, may_skip_sync: bool,
-               sample_log: Any) -> None:
-    """One optimizer step: grad_accum_steps micro-batches (no_sync on all but the last), then the update."""
+               sample_log: Any, log_step: bool = False) -> None:
+    """One optimizer step: grad_accum_steps micro-batches (no_sync on all but the last), then the update;
+    each phase timed (PhaseClock), the gradient norm taken on log steps."""
     cfg, env = t.cfg, t.env
     for g in t.opt.param_groups:
         g["lr"] = lr_at(cfg, step)
-    recipe = t.recipe
+    recipe, clock = t.recipe, window.phases
     for micro in range(cfg.grad_accum_steps):
-        t0 = time.perf_counter()
+        m0, t0 = clock.mark(), time.perf_counter()
         batch = to_device(next(batches), env.device)
-        t1 = time.perf_counter()
+        m1, t1 = clock.mark(), time.perf_counter()
         window.data_s += t1 - t0
         if sample_log is not None and isinstance(recipe.train, Samples):  # its batches end with their indices
             sample_log.write(" ".join(map(str, batch[-1].tolist())) + "\n")
@@ -339,20 +390,32 @@ def train_step(t: Trainee, step: int, batches: Iterator[Any], window: Window, ma
             with autocast(cfg, env.device):
                 out = forward(recipe, t.model, batch)
                 loss = recipe.loss(out, batch) / cfg.grad_accum_steps
+            m2 = clock.mark()
             t.scaler.scale(loss).backward()
-        detached = loss.detach()
-        window.loss_sum = detached if window.loss_sum is None else window.loss_sum + detached
+        m3 = clock.mark()
+        clock.add(Metric.DATA_TIME, m0, m1)
+        clock.add(Metric.FORWARD_TIME, m1, m2)
+        clock.add(Metric.BACKWARD_TIME, m2, m3)
+        window.losses.append(loss.detach())
         if recipe.metrics is not None:
             add_metrics(window, recipe, out, batch)
         window.micro_batches += 1
         window.compute_s += time.perf_counter() - t1
-    t2 = time.perf_counter()
+    m4, t2 = clock.mark(), time.perf_counter()
+    if log_step and cfg.amp != "fp16":  # fp16's scaled gradients overflow on purpose: GradScaler skips those steps
+        window.grad_norm = total_grad_norm(t.module)
     t.scaler.step(t.opt)
     t.scaler.update()
     t.opt.zero_grad(set_to_none=True)
+    clock.add(Metric.OPTIMIZER_TIME, m4, clock.mark())
     window.compute_s += time.perf_counter() - t2
     window.steps += 1
     window.samples += t.samples_per_step
+
+
+def total_grad_norm(module: nn.Module) -> torch.Tensor | None:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
 
 
 @torch.no_grad()
@@ -363,13 +426,17 @@ def add_metrics(window: Window, recipe: Recipe, out: Any, batch: Any) -> None:
         window.metric_sums[name] = window.metric_sums.get(name, 0.0) + value
 
 
-def after_step(t: Trainee, step: int, total: int, window: Window, logger: RankLogger, run_dir: RunDir) -> Window:
-    """What follows a step: its metrics at log steps, the replica-sync check, the checkpoint. Returns the
-    window the next step adds to."""
+def after_step(t: Trainee, step: int, log_step: bool, window: Window, logger: RankLogger) -> Window:
+    """What follows a step: its metrics at log steps (and a first non-finite value's event), the
+    replica-sync check, the checkpoint. Returns the window the next step adds to."""
     cfg, env = t.cfg, t.env
-    if step % cfg.log_every == 0 or step == total:
-        logger.log(step, window_metrics(window, t.opt, env, t.tokens_per_sample))
-        window = Window()
+    if log_step:
+        values, nonfinite = window_metrics(window, t, step)
+        logger.log(step, values)
+        if nonfinite and not t.nonfinite_reported:
+            t.nonfinite_reported = True
+            logger.event(EventKind.NONFINITE, f"rank {env.rank}: {nonfinite}")
+        window = Window(step + 1, window.cuda)
     if cfg.sync_check_every and env.distributed and step % cfg.sync_check_every == 0:
         bad = sync_check(t.module, env)
         if bad and env.rank == 0:
@@ -385,23 +452,42 @@ def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     return int(min(by_epochs, by_steps))
 
 
-def window_metrics(w: Window, opt: torch.optim.Optimizer, env: DistEnv, tokens_per_sample: int) -> dict[str, float]:
+def window_metrics(w: Window, t: Trainee, step: int) -> tuple[dict[str, float], str]:
+    """The window's metrics per step, and what was first non-finite in it ("" when nothing was)."""
     elapsed = max(time.perf_counter() - w.start, 1e-9)
-    assert w.loss_sum is not None
+    steps = max(w.steps, 1)
+    # One read from the device (a sync: only at log steps): every micro-batch's loss, and the gradient norm.
+    read = torch.stack([*w.losses, *([w.grad_norm] if w.grad_norm is not None else [])]).float().tolist()
+    losses, grad_norm = read[:len(w.losses)], (read[-1] if w.grad_norm is not None else None)
     values = {
-        Metric.LOSS: float(w.loss_sum.item()) / max(w.steps, 1),  # .item() is a device sync: only at log steps
+        Metric.LOSS: sum(losses) / steps,
         Metric.SAMPLES_PER_S: w.samples / elapsed,
-        Metric.STEP_TIME: w.compute_s / max(w.steps, 1),
-        Metric.DATA_TIME: w.data_s / max(w.steps, 1),
-        Metric.LR: float(opt.param_groups[0]["lr"]),
+        Metric.STEP_TIME: w.compute_s / steps,
+        Metric.LR: float(t.opt.param_groups[0]["lr"]),
     }
+    values.update({name: total / steps for name, total in w.phases.totals().items()})
+    if grad_norm is not None:
+        values[Metric.GRAD_NORM] = grad_norm
+    if t.comm is not None:
+        values.update(comm_metrics(t.comm.read(), (w.compute_s + w.data_s) / steps))
+    env, tokens_per_sample = t.env, t.tokens_per_sample
     for name, total in w.metric_sums.items():  # .item() of the recipe's tensors: here, at log steps only
         values[name] = float(total) / max(w.micro_batches, 1)
     if tokens_per_sample:
         values[Metric.TOKENS_PER_S] = values[Metric.SAMPLES_PER_S] * tokens_per_sample
     if env.device.type == "cuda":
         values[Metric.GPU_MEM_MB] = torch.cuda.max_memory_allocated(env.device) / 2**20
-    return values
+    return values, first_nonfinite(losses, grad_norm, w.first_step, t.cfg.grad_accum_steps, step)
+
+
+def first_nonfinite(losses: list[float], grad_norm: float | None, first_step: int, accum: int, step: int) -> str:
+    """The window's first non-finite loss (by step) or gradient norm, in words; "" when all were finite."""
+    bad = next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+    if bad is not None:
+        return f"non-finite loss ({losses[bad]}) at step {first_step + bad // accum}"
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        return f"non-finite gradient norm ({grad_norm}) at step {step}"
+    return ""
 
 
 def apply_faults(faults: list[Fault], env: DistEnv, step: int, module: nn.Module) -> None:
@@ -410,6 +496,9 @@ def apply_faults(faults: list[Fault], env: DistEnv, step: int, module: nn.Module
             continue
         if f.kind == "sleep":
             time.sleep(f.at)
+        elif step == int(f.at) and f.kind == "nan":
+            with torch.no_grad():  # a real blow-up: this rank's next loss is NaN, and the all-reduce spreads it
+                next(module.parameters()).view(-1)[0] = math.nan
         elif step == int(f.at) and f.kind == "stall":
             time.sleep(3600)
         elif step == int(f.at):
@@ -472,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     where = RankPlace(env.rank, str(env.device), env.attempt, env.world_size)
     logger, run_id, engine = open_logger(args.run_id, args.db_url, cfg.name, cfg.to_json(), where, run_dir,
                                          resume_step if resuming else None, key)
+    requests = RankRequests(run_dir, env.rank, flight_recorder.dump)
+    logger.on_tick = requests.poll  # a Flight Recorder dump, a profile: asked through the run folder
+    profile = ProfileHook(requests, env.rank, env.device.type, logger.event)
     if env.rank == 0:
         if resuming:
             logger.event(EventKind.RESTART,
@@ -483,12 +575,13 @@ def main(argv: list[str] | None = None) -> int:
              "via the supervisor's relay" if engine is None else "written to the database directly")
     status = RankStatus.FAILED
     try:
-        status = train(cfg, env, logger, run_dir, stop, faults, key, checkpoint, supervised)
+        status = train(cfg, env, logger, run_dir, stop, faults, key, checkpoint, supervised, profile)
         del checkpoint
     except Exception as exc:
         if stop.requested:
             status = RankStatus.STOPPED  # a peer left first during the shutdown; that is the stop, not a failure
         else:
+            flight_recorder.dump(run_dir.flight_recorder(flight_recorder.FAILURE_DUMP), env.rank)
             logger.event(EventKind.RANK_FAILED, f"rank {env.rank}: {type(exc).__name__}: {exc}", traceback.format_exc())
             raise
     finally:

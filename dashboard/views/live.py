@@ -163,7 +163,7 @@ def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool, run_
 def _stacks(run: RunInfo, cache: livedata.SeriesCache, evs) -> None:  # type: ignore[no-untyped-def]
     """Every rank's stack: captured once per hang by itself, or when asked; the newest capture with its verdict."""
     latest = latest_capture(evs)
-    began = livedata.hang_began(cache) if run.is_active else None
+    began = livedata.hang_began(cache, run) if run.is_active else None
     asked = run.is_active and st.button("Stacks", icon=":material/stacks:",
                                         help="Read every rank's stack now (py-spy): where each one is, who waits")
     if asked or (began is not None and (latest is None or latest.at < began)):
