@@ -197,3 +197,29 @@ def scaling_chart(table: pd.DataFrame) -> alt.LayerChart:
                  alt.Tooltip("efficiency:Q", format=".0%")],
     )
     return alt.layer(base.mark_line(point=True)).properties(title="Scaling")
+
+
+def step_breakdown_chart(table: pd.DataFrame) -> alt.Chart:
+    """Where a step's time goes, per rank: one stacked bar each (livedata.step_breakdown's frame)."""
+    data = table.assign(rank=table["rank"].map(series_label), ms=table["seconds"] * 1e3)
+    return (
+        alt.Chart(data, height=max(60, 36 * data["rank"].nunique()))
+        .mark_bar()
+        .encode(
+            y=alt.Y("rank:N", title=None),
+            x=alt.X("ms:Q", title="milliseconds per step (median of recent steps)", stack="zero"),
+            color=alt.Color("phase:N", title=None, sort=alt.EncodingSortField("order")),
+            order=alt.Order("order:Q"),
+            tooltip=[alt.Tooltip("rank:N"), alt.Tooltip("phase:N"), alt.Tooltip("ms:Q", format=".2f", title="ms")],
+        )
+        .properties(title="Time per step")
+    )
+
+
+def comm_share_chart(df: pd.DataFrame) -> alt.Chart:
+    """The share of each step the backward's communication took, per rank and their mean (0–100 %)."""
+    data = per_rank_with_aggregate(df, "mean", MEAN_LABEL)
+    return (_line(data, "communication share of the step")
+            .encode(y=alt.Y("value:Q", title="communication share of the step", axis=alt.Axis(format="%"),
+                            scale=alt.Scale(domain=[0, 1])))
+            .properties(title="Communication share"))

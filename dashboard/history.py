@@ -16,9 +16,9 @@ from ddpdash.trainer.config import ConfigInvalid, RunConfig
 
 RUN_COLUMNS = ["id", "name", "status", "started", "duration_s", "world_size", "devices", "backend", "batch",
                "global_batch", "amp", "model", "code", "sweep", "group", "final_loss", "best_loss", "samples_per_s",
-               "tags", "notes"]
+               "comm_share", "tags", "notes"]
 SORTABLE = ["id", "name", "status", "started", "duration_s", "world_size", "model", "final_loss", "best_loss",
-            "samples_per_s"]
+            "samples_per_s", "comm_share"]
 X_AXES = {"step": "step", "samples": "samples seen", "time": "seconds since start"}
 # Settings that say how many/which workers run, not what is trained: runs differing only here scale (the
 # seed and the names do not change what is trained either: seeds of one setting are averaged).
@@ -69,7 +69,8 @@ def _run_rows(runs: list[RunInfo], metrics: pd.DataFrame) -> pd.DataFrame:
             "model": cfg.what if cfg else None, "code": cfg.code_sha256[:8] if cfg else None,  # tells code apart
             "sweep": r.sweep, "group": r.group_name,
             "final_loss": metrics.at[r.id, "final_loss"], "best_loss": metrics.at[r.id, "best_loss"],
-            "samples_per_s": metrics.at[r.id, "samples_per_s"], "tags": ", ".join(r.tags), "notes": r.notes,
+            "samples_per_s": metrics.at[r.id, "samples_per_s"], "comm_share": metrics.at[r.id, "comm_share"],
+            "tags": ", ".join(r.tags), "notes": r.notes,
         })
     return pd.DataFrame(rows, columns=RUN_COLUMNS)
 
@@ -330,7 +331,8 @@ def summary_table(comp: Comparison, target_loss: float | None = None) -> pd.Data
         loss = comp.loss[run.id]
         row = {"run": run_label(run), "status": run.status, "final_loss": comp.summary(run.id, "final_loss"),
                "best_loss": comp.summary(run.id, "best_loss"), "total_time_s": run.duration_s,
-               "samples_per_s": comp.summary(run.id, "samples_per_s"), "time_to_target_s": None,
+               "samples_per_s": comp.summary(run.id, "samples_per_s"),
+               "comm_share": comp.summary(run.id, "comm_share"), "time_to_target_s": None,
                "samples_to_target": None}
         if target_loss is not None and len(loss):
             mean = loss.groupby("step", as_index=False).agg(value=("value", "mean"), time=("time", "max"))
@@ -380,7 +382,8 @@ class RunsPage:
     pages: int
 
 
-METRIC_SORTS = ("final_loss", "best_loss", "samples_per_s")  # computed from rollups: sorted after reading them
+# Computed from rollups: sorted after reading them.
+METRIC_SORTS = ("final_loss", "best_loss", "samples_per_s", "comm_share")
 
 
 def runs_page(s: Session, f: RunFilter, sort_by: str = "id", descending: bool = True, page: int = 1,

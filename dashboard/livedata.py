@@ -142,6 +142,52 @@ def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, rank: int,
     return ""
 
 
+BREAKDOWN_WINDOW = 30  # the newest points per rank a step's breakdown is the median of
+EXPOSED_COMM = "communication (not overlapped)"
+PHASE_LABELS = {Metric.DATA_TIME: "data wait", Metric.FORWARD_TIME: "forward", Metric.BACKWARD_TIME: "backward",
+                Metric.OPTIMIZER_TIME: "optimizer"}
+BREAKDOWN_COLUMNS = ["rank", "phase", "order", "seconds"]
+
+
+def step_breakdown(cache: SeriesCache, window: int = BREAKDOWN_WINDOW) -> pd.DataFrame:
+    """Per rank, where a step's time goes (the median over its newest points of each phase): data wait,
+    forward, backward, optimizer — the backward split into its own compute and the communication that
+    did not overlap it, where DDP's sampled timings are there. Long frame [rank, phase, order, seconds]."""
+    medians = {name: _recent_median(cache.get(name), window) for name in (*Metric.PHASES, Metric.COMM_TIME,
+                                                                          Metric.COMM_OVERLAP_TIME)}
+    rows = []
+    for rank in sorted(set().union(*(m.index for m in medians.values()))):
+        exposed = None
+        if rank in medians[Metric.COMM_TIME].index:
+            overlap = medians[Metric.COMM_OVERLAP_TIME].get(rank, 0.0)
+            exposed = max(float(medians[Metric.COMM_TIME][rank]) - float(overlap), 0.0)
+        for order, name in enumerate(Metric.PHASES):
+            if rank not in medians[name].index:
+                continue
+            seconds = float(medians[name][rank])
+            if name == Metric.BACKWARD_TIME and exposed is not None:
+                exposed = min(exposed, seconds)
+                rows.append((int(rank), EXPOSED_COMM, order + 0.5, exposed))
+                seconds -= exposed
+            rows.append((int(rank), PHASE_LABELS[name], order, seconds))
+    return pd.DataFrame(rows, columns=BREAKDOWN_COLUMNS)
+
+
+def _recent_median(df: pd.DataFrame, window: int) -> pd.Series:
+    if df.empty:
+        return pd.Series(dtype=float)
+    return df.sort_values("step").groupby("rank").tail(window).groupby("rank")["value"].median()
+
+
+def first_nonfinite(events: pd.DataFrame) -> str | None:
+    """The run's first non-finite loss or gradient norm, as its event said it (the earliest step's)."""
+    found = events[events["kind"] == EventKind.NONFINITE]
+    if found.empty:
+        return None
+    steps = found["message"].str.extract(r"at step (\d+)", expand=False).astype(float)
+    return str(found.loc[steps.fillna(float("inf")).idxmin(), "message"])
+
+
 def failures(events: pd.DataFrame) -> pd.DataFrame:
     return events[events["kind"].isin(EventKind.PROBLEMS)]
 

@@ -151,10 +151,14 @@ def count_points(s: Session, run_id: int, name: str | None = None) -> int:
     return int(s.scalar(q) or 0)
 
 
+SHARE_WIDTH = 1024  # the median share is of buckets this wide: a hundred per rank in a run of 100k steps
+
+
 def run_metric_summaries(s: Session, run_ids: list[int]) -> pd.DataFrame:
     """Per run: final loss (mean over ranks of each rank's last logged value), best loss (lowest value
-    any rank logged) and mean total samples/s (sum over ranks of each rank's mean). Reads rollups only."""
-    columns = ["run_id", "final_loss", "best_loss", "samples_per_s"]
+    any rank logged), mean total samples/s (sum over ranks of each rank's mean) and the median
+    communication share (of every rank's SHARE_WIDTH-step bucket means). Reads rollups only."""
+    columns = ["run_id", "final_loss", "best_loss", "samples_per_s", "comm_share"]
     if not run_ids:
         return pd.DataFrame(columns=columns)
     coarse = ROLLUP_WIDTHS[-1]
@@ -183,6 +187,12 @@ def run_metric_summaries(s: Session, run_ids: list[int]) -> pd.DataFrame:
     out["final_loss"] = _frame(last, ["run_id", "v"]).groupby("run_id")["v"].mean()
     out["best_loss"] = loss.groupby("run_id")["vmin"].min()
     out["samples_per_s"] = (speed["vsum"] / speed["count"]).groupby(speed["run_id"]).sum()
+    share = _frame(s.execute(
+        select(MetricRollup.run_id, MetricRollup.vsum / MetricRollup.count)
+        .where(MetricRollup.run_id.in_(run_ids), MetricRollup.width == SHARE_WIDTH,
+               MetricRollup.name == Metric.COMM_SHARE)
+    ).all(), ["run_id", "v"])
+    out["comm_share"] = share.groupby("run_id")["v"].median()
     return out.reset_index()[columns]
 
 

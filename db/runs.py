@@ -196,6 +196,15 @@ def events_of_kind(s: Session, run_id: int, kind: str) -> list[EventRow]:
     return [EventRow(*row) for row in rows]
 
 
+def events_after(s: Session, run_id: int, after_id: int, kinds: tuple[str, ...]) -> list[tuple[int, EventRow]]:
+    """The run's events of `kinds` newer than event id `after_id`, oldest first, with their ids."""
+    rows = s.execute(select(RunEvent.id, RunEvent.time, RunEvent.kind, RunEvent.rank, RunEvent.message,
+                            RunEvent.detail)
+                     .where(RunEvent.run_id == run_id, RunEvent.id > after_id, RunEvent.kind.in_(kinds))
+                     .order_by(RunEvent.id))
+    return [(row[0], EventRow(*row[1:])) for row in rows]
+
+
 def set_rank_status(s: Session, run_id: int, rank: int, status: str) -> None:
     s.execute(update(RankState).where(RankState.run_id == run_id, RankState.rank == rank).values(status=status))
 

@@ -167,20 +167,39 @@ def roll_up_series(run_id: int, rank: int, series: list[Series], open_buckets: O
 
 def _series(groups: list[Group]) -> list[Series]:
     """The groups as numpy series for the rollups: one batch of the usual kind is one series, all its
-    metrics rolled up together; otherwise each metric's steps, from every group, make one."""
+    metrics rolled up together; otherwise each metric's steps, from every group, make one. Non-finite
+    values (a loss gone NaN) stay in the stored points but not in the rollups: a bucket's min, max and
+    sum are of numbers."""
     groups = [g for g in groups if g.names and len(g.steps)]
     if len(groups) == 1:
         g = groups[0]
-        return [(g.names, np.frombuffer(g.steps, dtype=np.int64), np.vstack([np.frombuffer(c) for c in g.columns]),
-                 np.frombuffer(g.times))]
-    per_name: dict[str, list[tuple[Any, Any, Any]]] = {}
-    for g in groups:
-        for name, column in zip(g.names, g.columns, strict=True):
-            per_name.setdefault(name, []).append((g.steps, column, g.times))
-    return [((name,), np.concatenate([np.frombuffer(s, dtype=np.int64) for s, _, _ in parts]),
-             np.concatenate([np.frombuffer(v) for _, v, _ in parts])[np.newaxis, :],
-             np.concatenate([np.frombuffer(t) for _, _, t in parts]))
-            for name, parts in per_name.items()]
+        series = [(g.names, np.frombuffer(g.steps, dtype=np.int64),
+                   np.vstack([np.frombuffer(c) for c in g.columns]), np.frombuffer(g.times))]
+    else:
+        per_name: dict[str, list[tuple[Any, Any, Any]]] = {}
+        for g in groups:
+            for name, column in zip(g.names, g.columns, strict=True):
+                per_name.setdefault(name, []).append((g.steps, column, g.times))
+        series = [((name,), np.concatenate([np.frombuffer(s, dtype=np.int64) for s, _, _ in parts]),
+                   np.concatenate([np.frombuffer(v) for _, v, _ in parts])[np.newaxis, :],
+                   np.concatenate([np.frombuffer(t) for _, _, t in parts]))
+                  for name, parts in per_name.items()]
+    return [part for one in series for part in _finite(one)]
+
+
+def _finite(series: Series) -> list[Series]:
+    """The series as it is when every value is a number (the usual case: one vectorised check); else each
+    metric on its own, with its finite points only."""
+    names, steps, values, times = series
+    finite = np.isfinite(values)
+    if finite.all():
+        return [series]
+    out = []
+    for i, name in enumerate(names):
+        keep = finite[i]
+        if keep.any():
+            out.append(((name,), steps[keep], values[i][keep][np.newaxis, :], times[keep]))
+    return out
 
 
 _DRIVER_SQL: dict[tuple[str, int], tuple[str, bool]] = {}

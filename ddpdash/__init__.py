@@ -4,8 +4,8 @@ for a user's own script (`ddpdash.log`, `ddpdash.should_stop`, …: see ddpdash/
 lives in `ddpdash.trainer`, `ddpdash.db` and `ddpdash.dashboard`. It stays light: importing it imports
 neither torch, SQLAlchemy nor Streamlit."""
 
-from .api import RunSettings, event, finish, init, log, should_stop
+from .api import RunSettings, event, finish, init, log, phase, should_stop, watch
 from .recipe import Recipe
 
-__all__ = ["Recipe", "RunSettings", "event", "finish", "init", "log", "should_stop"]
+__all__ = ["Recipe", "RunSettings", "event", "finish", "init", "log", "phase", "should_stop", "watch"]
 __version__ = "0.2.0"

@@ -7,6 +7,15 @@
         if ddpdash.should_stop():       # the Stop button asked: finish the step and leave
             break
 
+Where a step's time goes, and DDP's communication share:
+
+    with ddpdash.phase("data"):     # data, forward, backward, optimizer (or any name: NAME_time)
+        batch = next(it)
+    ddpdash.watch(ddp_model)        # DDP's own sampled backward compute/communication/overlap timings
+
+each added to the next log() as seconds per step. A profile asked from the dashboard (`ddpdash profile`)
+covers the next N log() calls; a Flight Recorder dump asked on a hang is written by the logger's thread.
+
 Everything is read when first needed, not at import: torchrun's environment (rank, world size), the run
 ddpdash launched (its id and settings) or, outside one, one run registered per rendezvous in the store.
 Logging never calls a collective and never waits on I/O: `log()` appends to a buffer that a thread hands
@@ -40,6 +49,7 @@ DISABLED_ENV = "DDPDASH_DISABLED"
 RUN_ID_ENV = "DDPDASH_RUN_ID"  # set by the launcher for a script it starts
 SETTINGS_ENV = "DDPDASH_SETTINGS"  # the form's settings for that script, as JSON (RunSettings' fields)
 SAMPLES_PER_S = "samples_per_s"
+RUN_DIR_ENV = "DDPDASH_RUN_DIR"  # set by the launcher: the run's folder, where the dashboard's requests wait
 
 
 @dataclass(frozen=True)
@@ -74,14 +84,36 @@ class _Run:
         self.engine: Any = None  # when this rank writes the store itself
         self.next_step = 0
         self.last_samples_at = time.perf_counter()
+        self.last_log_at = time.perf_counter()
         self.stop_requested = False
         self.warned: set[str] = set()
         self.failed = False
         self.closed = False
+        self.nonfinite_reported = False
+        self.phases: dict[str, float] = {}  # seconds per phase since the last log()
+        self.comm: Any = None  # trainer.phases.CommSampler of the watched DDP model
+        self.profile: Any = None  # trainer.profiling.ProfileHook, for a launched run
+        self.run_dir: Any = None
         if self.settings.enabled:
             self.logger, run_id, self.engine = _open_logger(self.settings)
             self.settings = RunSettings(**{**self.settings.__dict__, "run_id": run_id})
             self._install_handlers()
+            self._answer_requests()
+
+    def _answer_requests(self) -> None:
+        """A launched run's ranks answer what the dashboard asks through the run folder (trainer/requests.py)."""
+        folder = os.environ.get(RUN_DIR_ENV)
+        if not folder:
+            return
+        from ddpdash.trainer import flight_recorder
+        from ddpdash.trainer.profiling import ProfileHook
+        from ddpdash.trainer.requests import RankRequests
+        from ddpdash.trainer.rundir import RunDir
+
+        self.run_dir = RunDir(Path(folder))
+        requests = RankRequests(self.run_dir, self.settings.rank, flight_recorder.dump)
+        self.logger.on_tick = requests.poll
+        self.profile = ProfileHook(requests, self.settings.rank, "cuda" if _uses_cuda() else "cpu", self.logger.event)
 
     def _install_handlers(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -98,6 +130,10 @@ class _Run:
         def on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
             self.failed = True
             rank = self.settings.rank
+            if self.run_dir is not None:
+                from ddpdash.trainer import flight_recorder
+
+                flight_recorder.dump(self.run_dir.flight_recorder(flight_recorder.FAILURE_DUMP), rank)
             self.logger.event(EventKind.RANK_FAILED, f"rank {rank}: {kind.__name__}: {exc}",
                               "".join(traceback.format_exception(kind, exc, tb)))
             self.close()
@@ -106,23 +142,40 @@ class _Run:
         sys.excepthook = on_uncaught
         atexit.register(self.close)
 
-    def clean(self, values: Mapping[str, Any]) -> dict[str, float]:
+    def clean(self, values: Mapping[str, Any], step: int) -> dict[str, float]:
         """Finite numbers only: a non-finite or non-numeric value is dropped with a warning (once per
-        metric), the rest of the step kept."""
+        metric), the rest of the step kept; the first non-finite number is an event on the run."""
         out = {}
         for key, value in values.items():
             try:
                 number = float(value)
             except (TypeError, ValueError, RuntimeError):
-                number = math.nan
-                why = f"is not a number ({type(value).__name__})"
+                number, numeric = math.nan, False
             else:
-                why = f"is {number}"
+                numeric = True
             if math.isfinite(number):
                 out[key] = number
-            elif key not in self.warned:
+                continue
+            why = f"is {number}" if numeric else f"is not a number ({type(value).__name__})"
+            if key not in self.warned:
                 self.warned.add(key)
                 _log.warning("ddpdash.log: %r %s: dropped (the step's other values are kept)", key, why)
+            if numeric and not self.nonfinite_reported:  # a non-number is the script's mistake, not a blow-up
+                self.nonfinite_reported = True
+                self.logger.event(EventKind.NONFINITE,
+                                  f"rank {self.settings.rank}: non-finite {key} ({number}) at step {step}")
+        return out
+
+    def extras(self, now: float, steps: int) -> dict[str, float]:
+        """What log() adds of its own: the phases timed since the last call and DDP's newest sample, per step."""
+        from ddpdash.trainer.phases import comm_metrics, phase_metric
+
+        out = {phase_metric(name): total / max(steps, 1) for name, total in self.phases.items()}
+        self.phases = {}
+        if self.comm is not None:
+            wall = now - self.last_log_at
+            out.update(comm_metrics(self.comm.read(), wall / max(steps, 1)))
+        self.last_log_at = now
         return out
 
     def close(self) -> None:
@@ -172,18 +225,54 @@ def log(values: Mapping[str, Any], step: int | None = None, samples: int | None 
         return
     if step is None:
         step = run.next_step
-    run.next_step = step + 1
+    steps, run.next_step = step + 1 - run.next_step, step + 1
     for value in values.values():
         # The usual case costs a type check and a subtraction: x - x is 0.0 (false) for a finite float.
         if type(value) is not float or value - value:
-            values = run.clean(values)
+            values = run.clean(values, step)
             break
+    if run.phases or run.comm is not None:
+        values = {**values, **run.extras(time.perf_counter(), steps)}
     if samples is not None:
         now = time.perf_counter()
         elapsed, run.last_samples_at = now - run.last_samples_at, now
         if elapsed > 0:
             values = {**values, SAMPLES_PER_S: samples / elapsed}
     logger.log(step, values)
+    if run.profile is not None and (run.profile.profiler is not None or run.profile.requests.profile is not None):
+        run.profile.tick(step)
+
+
+class phase:  # lower case: used as a context manager, named like one
+    """`with ddpdash.phase("data"): ...` times a part of the step; the next log() adds NAME_time (seconds per
+    step since the previous log). Names the Live page stacks: data, forward, backward, optimizer."""
+
+    __slots__ = ("name", "started")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.started = 0.0
+
+    def __enter__(self) -> phase:
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        run = _current or _run()
+        run.phases[self.name] = run.phases.get(self.name, 0.0) + time.perf_counter() - self.started
+
+
+def watch(ddp_model: Any) -> Any:
+    """Report DDP's own sampled timings of `ddp_model` (a DistributedDataParallel): its backward's
+    communication, their overlap with compute, and the communication's share of the step, with each
+    log(). Returns the model."""
+    from ddpdash.trainer.phases import CommSampler, start_sampling
+
+    run = _run()
+    if run.logger is not None:
+        start_sampling(ddp_model, 1)
+        run.comm = CommSampler(ddp_model)
+    return ddp_model
 
 
 def should_stop() -> bool:
@@ -214,6 +303,11 @@ def _settings_from_env(env: Mapping[str, str]) -> RunSettings:
                           "world_size": int(env.get("WORLD_SIZE", 1)),
                           "run_id": int(run_id) if run_id and run_id.isdigit() else None,
                           "launched": bool(run_id), "enabled": enabled})
+
+
+def _uses_cuda() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized())
 
 
 def _open_logger(settings: RunSettings) -> tuple[Any, int, Any]:

@@ -258,6 +258,8 @@ def cmd_stacks(engine: Engine, args: argparse.Namespace) -> int:
 
     found = capture_run(engine, args.run)
     print(found.verdict)
+    if found.finding:
+        print(f"Flight Recorder: {found.finding}")
     for stack in found.stacks:
         own = stack.own_frame
         print(f"\n-- rank {stack.rank} (pid {stack.pid}, {stack.method}{': ' + stack.note if stack.note else ''})")
@@ -266,6 +268,41 @@ def cmd_stacks(engine: Engine, args: argparse.Namespace) -> int:
         for frame in stack.frames:
             mark = "▶" if frame is own else " "
             print(f" {mark} {frame.name} ({frame.where})")
+    return 0
+
+
+def cmd_profile(engine: Engine, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ddpdash.trainer.profiling import ask_profile, wait_for_profiles
+    from ddpdash.trainer.rundir import RunDir
+
+    with Session(engine) as s:
+        run = get_run(s, args.run)
+    if not run.is_active or not run.run_dir:
+        raise CliError(f"run {args.run} is {run.status}: only a running run can be profiled")
+    run_dir = RunDir(Path(run.run_dir))
+    try:
+        request = ask_profile(run_dir, args.steps)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    print(f"every rank of run {run.id} profiles its next {args.steps} step(s)…", flush=True)
+
+    def running() -> bool:
+        with Session(engine) as s:
+            return get_run(s, args.run).is_active
+
+    profiles = wait_for_profiles(run_dir, request, run.world_size, args.timeout, running)
+    for prof in profiles:
+        print(f"\n-- rank {prof.rank}: steps {prof.steps[0]}–{prof.steps[1]}, trace {prof.trace}")
+        for op in prof.ops[:10]:
+            print(f"   {op['self_ms']:>9.2f} ms {op['share']:>6.1%} {op['calls']:>7}×  {op['name']}")
+    missing = sorted(set(range(run.world_size)) - {p.rank for p in profiles})
+    if missing:
+        print(f"\nno profile from rank(s) {missing} (the run ended, or a rank does not step: a script that does not "
+              "log through ddpdash is not profiled)")
+        return 1
+    print("\nthe traces open in https://ui.perfetto.dev or chrome://tracing")
     return 0
 
 
@@ -398,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(sweep)
     sub.add_parser("stacks", help="every live rank's stack now (py-spy), with a verdict: who waits for whom"
                    ).add_argument("run", type=int, metavar="RUN")
+    profile = sub.add_parser("profile", help="profile the next N steps of every rank (torch.profiler); waits, then "
+                                             "prints each rank's top operators and where its trace is")
+    profile.add_argument("run", type=int, metavar="RUN")
+    profile.add_argument("--steps", type=int, default=5, help="steps to profile [5]")
+    profile.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every rank [300]")
     queue = sub.add_parser("queue", help="the runs waiting for this machine: position and what each waits for")
     queue.add_argument("--cancel", type=int, metavar="RUN", help="take a waiting run out of the queue")
     queue.add_argument("--front", type=int, metavar="RUN", help="move a waiting run to the front")
@@ -419,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"launch": cmd_launch, "runs": cmd_runs, "show": cmd_show, "stop": cmd_stop, "logs": cmd_logs,
-            "export": cmd_export, "sweep": cmd_sweep, "queue": cmd_queue, "stacks": cmd_stacks}
+            "export": cmd_export, "sweep": cmd_sweep, "queue": cmd_queue, "stacks": cmd_stacks,
+            "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ import psutil
 from ddpdash.db.paths import default_db_url
 from ddpdash.db.vocab import EventKind, RunStatus
 
+from .alerts import WEBHOOK_ENV, notify_once
 from .check import CheckFailure, CheckResult
 from .commands import (
     SHUTDOWN_TIMEOUT_S,
@@ -50,6 +51,7 @@ from .config import (
     check_script,
     module_not_found,
     script_file,
+    webhook_problem,
 )
 from .rundir import RunDir, new_run_dir
 from .supervisor.priority import PriorityError, supervisor_nice
@@ -99,6 +101,9 @@ def prepare(cfg: RunConfig, machine: Machine) -> RunConfig:
         supervisor_nice()
     except PriorityError as exc:
         raise LaunchError(str(exc)) from exc
+    env_webhook = os.environ.get(WEBHOOK_ENV, "").strip()
+    if not cfg.webhook and env_webhook and (why := webhook_problem(env_webhook)):
+        raise LaunchError(f"{WEBHOOK_ENV} {why}")
     return cfg
 
 
@@ -472,6 +477,8 @@ def reconcile(engine: Engine, now: float | None = None) -> list[int]:
             if finish_run(s, run.id, RunStatus.LOST, error=reason):
                 add_event(s, run.id, EventKind.LOST, reason)
                 lost.append(run.id)
+        if run.id in lost:  # its supervisor, which posts the run's alerts, is gone: this process posts this one
+            notify_once(engine, run.id, run.name, run.config, EventKind.LOST, reason)
     if any(r.status == RunStatus.QUEUED and r.admitted_at is None and r.host == host for r in active):
         from .queue import dispatch
 

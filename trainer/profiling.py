@@ -177,6 +177,15 @@ def latest_profiles(events: Any) -> list[RankProfile]:
     return sorted(out, key=lambda p: p.rank)
 
 
+def profile_table(profile: RankProfile) -> Any:
+    """A rank's top operators as a frame: operator, calls, self ms, share of all self time, total ms."""
+    import pandas as pd
+
+    frame = pd.DataFrame(profile.ops, columns=["name", "calls", "self_ms", "share", "total_ms", "self_cpu_mem_mb"])
+    return frame.rename(columns={"name": "operator", "self_ms": "self ms", "total_ms": "total ms",
+                                 "self_cpu_mem_mb": "self CPU memory (MB)"})
+
+
 def hta_breakdown(folder: Path) -> Any:
     """Holistic Trace Analysis' temporal breakdown (idle, compute, communication time per rank) of a profile's
     traces, where HTA is installed; None where it is not. It reads GPU kernels: CPU-only traces have none."""

@@ -5,9 +5,11 @@ native ones (a rank blocked in a gloo or NCCL collective shows c10d's frames) â€
 
 py-spy reads a rank from outside (ptrace); where it cannot attach (ptrace denied, a container without the
 capability), the trainer's ranks dump their own threads through `faulthandler` on SIGUSR2 into the run
-folder. Each capture says which method it used and why. Captures run in the dashboard's or CLI's process
-(py-spy is started by trainer.control) and are stored as a `stacks` event: the verdict, and the stacks as
-JSON in its detail.
+folder. Each capture says which method it used and why. Alongside, every rank dumps its Flight Recorder
+buffer (asked through the run folder: trainer/requests.py) and torch's analyser names the collective a
+rank never joined (trainer/flight_recorder.py). Captures run in the dashboard's, the CLI's or the
+supervisor's process (py-spy and the analyser are started by trainer.control) and are stored as a
+`stacks` event: the verdict, and the stacks and the finding as JSON in its detail.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .requests import FLIGHT_RECORDER, ask, withdraw
+
 STACK_SIGNAL = "SIGUSR2"  # the trainer's ranks dump their threads on it (faulthandler), for the fallback
 FALLBACK_WAIT_S = 2.0
+FLIGHT_RECORDER_WAIT_S = 3.0  # the ranks answer on their metrics thread, once a second
 STDLIB = sysconfig.get_paths()["stdlib"]
 
 # Native frame names â†’ the collective they are, for the verdict (first match wins).
@@ -83,17 +88,21 @@ class Capture:
     at: float
     verdict: str
     stacks: list[RankStack] = field(default_factory=list)
+    finding: str = ""  # the Flight Recorder analyser's, in a line ("rank 1 never joined collective #13 all_reduce")
 
     def detail(self) -> str:
-        return json.dumps([asdict(s) for s in self.stacks])
+        return json.dumps({"stacks": [asdict(s) for s in self.stacks], "flight_recorder": self.finding})
 
     @classmethod
     def from_event(cls, at: float, message: str, detail: str) -> Capture:
+        data = json.loads(detail or "[]")
+        if isinstance(data, list):  # stored before the Flight Recorder was read
+            data = {"stacks": data}
         stacks = []
-        for item in json.loads(detail or "[]"):
+        for item in data.get("stacks", []):
             frames = tuple(Frame(**f) for f in item.pop("frames", []))
             stacks.append(RankStack(frames=frames, **item))
-        return cls(at, message, stacks)
+        return cls(at, message, stacks, str(data.get("flight_recorder", "")))
 
 
 def is_own_code(frame: Frame) -> bool:
@@ -200,8 +209,9 @@ def capture(places: list[tuple[int, int]], stack_file: Any = None) -> Capture:
 
 
 # ---- a run's ranks ----------------------------------------------------------------------------------------
-def capture_run(engine: Any, run_id: int) -> Capture:
-    """Read every live rank of a run on this host and store the capture as a `stacks` event."""
+def capture_run(engine: Any, run_id: int, flight_recorder: bool = True) -> Capture:
+    """Read every live rank of a run on this host (and, with `flight_recorder`, have each dump its Flight
+    Recorder buffer and analyse the dumps); store the capture as a `stacks` event."""
     import socket
 
     from sqlalchemy.orm import Session
@@ -220,12 +230,35 @@ def capture_run(engine: Any, run_id: int) -> Capture:
     places = [(int(r.rank), int(r.pid)) for r in states.itertuples(index=False)
               if r.pid and r.host in ("", here) and alive(int(r.pid))]
     run_dir = RunDir(Path(run.run_dir)) if run.run_dir else None
+    request = ask(run_dir, FLIGHT_RECORDER) if flight_recorder and run_dir and places else None
     result = capture(places, run_dir.stack_file if run_dir else None)
     if not places:
         result.verdict = "no live rank of this run on this host to read"
+    if request is not None and run_dir is not None:
+        result.finding = read_flight_recorder(run_dir, request, {rank for rank, _ in places})
     with Session(engine) as s, s.begin():
         add_event(s, run_id, EventKind.STACKS, result.verdict, detail=result.detail())
     return result
+
+
+def read_flight_recorder(run_dir: Any, request: str, ranks: set[int]) -> str:
+    """The analyser's finding over the ranks' answers to `request`, once every rank in `ranks` has dumped
+    (or FLIGHT_RECORDER_WAIT_S has passed)."""
+    from .control import analyse_flight_recorder
+    from .flight_recorder import dumped_ranks
+
+    folder = run_dir.flight_recorder(request)
+    deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
+    while not ranks <= set(dumped_ranks(folder)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    withdraw(run_dir, request)
+    dumped = dumped_ranks(folder)
+    if not dumped:
+        return ("no rank dumped its Flight Recorder buffer (a script's ranks answer only while they log "
+                "through ddpdash; a run without a process group has none)")
+    found = analyse_flight_recorder(folder)["finding"]
+    missing = sorted(ranks - set(dumped))
+    return found + (f" (no dump from rank(s) {missing})" if missing else "")
 
 
 def latest_capture(events: Any) -> Capture | None:

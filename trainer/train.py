@@ -216,7 +216,8 @@ def sync_check(model: nn.Module, env: DistEnv) -> list[int]:
     local = param_checksums(model)
     gathered = [torch.empty_like(local) for _ in range(env.world_size)]
     dist.all_gather(gathered, local)
-    return [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    # NaN equals NaN here: replicas that blew up alike are in sync (the non-finite event says the rest).
+    return [r for r, g in enumerate(gathered) if not torch.allclose(g, gathered[0], rtol=0.0, atol=0.0, equal_nan=True)]
 
 
 class PhaseClock:

@@ -47,6 +47,7 @@ def render() -> None:
                  column_config={"final_loss": st.column_config.NumberColumn(format="%.4g"),
                                 "best_loss": st.column_config.NumberColumn(format="%.4g"),
                                 "samples_per_s": st.column_config.NumberColumn(format="%.0f"),
+                                "comm_share": st.column_config.NumberColumn("comm share", format="percent"),
                                 "total_time_s": st.column_config.NumberColumn(format="%.1f")})
 
     left, right = st.columns(2)

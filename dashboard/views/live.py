@@ -14,6 +14,7 @@ from ddpdash.db.queries import events, rank_states
 from ddpdash.db.runs import RunInfo, RunNotFound, get_run, list_runs
 from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.control import StopError, stop
+from ddpdash.trainer.profiling import MAX_PROFILE_STEPS, ask_profile, hta_breakdown, latest_profiles, profile_table
 from ddpdash.trainer.queue import cancel, is_waiting, move_to_front, waiting_states
 from ddpdash.trainer.rundir import RunDir, tail
 from ddpdash.trainer.stacks import capture_run, latest_capture
@@ -75,10 +76,12 @@ def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> 
     _header(run, states)
     if was_active and not run.is_active:
         st.rerun()  # the run ended: draw once more without the timer
+    _banners(evs)
     _charts(cache, smoothing, log_scale, bool(run.config.get("script") or run.config.get("module")), run.is_active)
     st.subheader("Ranks")
     st.dataframe(livedata.rank_table(run, states, cache), hide_index=True, width="stretch")
     _stacks(run, cache, evs)
+    _profile(run, evs)
     _events(evs, run)
     _logs(run)
     _system()
@@ -158,6 +161,20 @@ def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool, run_
     val, what = (acc, "accuracy") if not acc.empty else (val_loss, "loss")
     if not val.empty:
         right.altair_chart(charts.validation_chart(val, what), width="stretch")
+    breakdown, share = livedata.step_breakdown(cache), cache.get(Metric.COMM_SHARE)
+    if not breakdown.empty or not share.empty:
+        left, right = st.columns(2)
+        if not breakdown.empty:
+            left.altair_chart(charts.step_breakdown_chart(breakdown), width="stretch")
+        if not share.empty:
+            right.altair_chart(charts.comm_share_chart(share), width="stretch")
+
+
+def _banners(evs) -> None:  # type: ignore[no-untyped-def]
+    nonfinite = livedata.first_nonfinite(evs)
+    if nonfinite:
+        st.error(f"Numbers went wrong — {nonfinite}. Lower the learning rate, add warm-up or gradient clipping, "
+                 "or look for a bad batch at that step.", icon=":material/error:")
 
 
 def _stacks(run: RunInfo, cache: livedata.SeriesCache, evs) -> None:  # type: ignore[no-untyped-def]
@@ -165,8 +182,11 @@ def _stacks(run: RunInfo, cache: livedata.SeriesCache, evs) -> None:  # type: ig
     latest = latest_capture(evs)
     began = livedata.hang_began(cache, run) if run.is_active else None
     asked = run.is_active and st.button("Stacks", icon=":material/stacks:",
-                                        help="Read every rank's stack now (py-spy): where each one is, who waits")
-    if asked or (began is not None and (latest is None or latest.at < began)):
+                                        help="Read every rank's stack now (py-spy) and its Flight Recorder: where "
+                                             "each one is, who waits for whom")
+    # A supervised run's supervisor reads the stacks of a hang itself (trainer/supervisor/diagnose.py).
+    unwatched = run.supervisor_pid is None
+    if asked or (unwatched and began is not None and (latest is None or latest.at < began)):
         with st.spinner("Reading every rank's stack…"):
             latest = capture_run(state.engine(), run.id)
     if latest is None:
@@ -174,6 +194,8 @@ def _stacks(run: RunInfo, cache: livedata.SeriesCache, evs) -> None:  # type: ig
     st.subheader("Stacks")
     when = time.strftime("%H:%M:%S", time.localtime(latest.at))
     st.warning(f"{latest.verdict} (read at {when})", icon=":material/stacks:")
+    if latest.finding:
+        st.info(f"Flight Recorder: {latest.finding}", icon=":material/flight:")
     columns = st.columns(min(max(len(latest.stacks), 1), 4))
     for i, stack in enumerate(latest.stacks):
         with columns[i % len(columns)]:
@@ -183,6 +205,37 @@ def _stacks(run: RunInfo, cache: livedata.SeriesCache, evs) -> None:  # type: ig
             own = stack.own_frame
             st.code("\n".join(f"{'▶' if f is own else ' '} {f.name}  {f.where}" for f in stack.frames) or "(empty)",
                     language="text")
+
+
+def _profile(run: RunInfo, evs) -> None:  # type: ignore[no-untyped-def]
+    """Profile the next N steps of every rank (torch.profiler); the newest profile's top operators and traces."""
+    if run.is_active and run.run_dir:
+        c1, c2 = st.columns([1, 3])
+        steps = c1.number_input("Steps", min_value=1, max_value=MAX_PROFILE_STEPS, value=5, key=f"profile_n_{run.id}",
+                                label_visibility="collapsed")
+        if c2.button(f"Profile {steps} steps", icon=":material/speed:",
+                     help="Every rank records its next steps with torch.profiler (CPU, CUDA where present)"):
+            ask_profile(RunDir(Path(run.run_dir)), int(steps))
+            st.toast(f"Every rank profiles its next {steps} steps: the result shows here when they are done")
+    profiles = latest_profiles(evs)
+    if not profiles:
+        return
+    first = profiles[0]
+    st.subheader("Profile")
+    st.caption(f"steps {first.steps[0]}–{first.steps[1]} · the traces open in ui.perfetto.dev or chrome://tracing")
+    columns = st.columns(min(len(profiles), 2))
+    for i, prof in enumerate(profiles):
+        with columns[i % len(columns)]:
+            st.markdown(f"**rank {prof.rank}** — top operators by self time")
+            st.dataframe(profile_table(prof), hide_index=True, width="stretch",
+                         column_config={"share": st.column_config.NumberColumn(format="percent")})
+            if prof.trace.exists():
+                st.download_button(f"Trace of rank {prof.rank}", prof.trace.read_bytes(), file_name=prof.trace.name,
+                                   mime="application/gzip", key=f"trace_{prof.trace}", icon=":material/download:")
+    breakdown = hta_breakdown(first.trace.parent)
+    if breakdown is not None:
+        st.markdown("**Holistic Trace Analysis** — temporal breakdown per rank")
+        st.dataframe(breakdown, width="stretch")
 
 
 def _events(evs, run: RunInfo) -> None:  # type: ignore[no-untyped-def]

@@ -68,6 +68,9 @@ def render() -> None:
             "final_loss": st.column_config.NumberColumn("final loss", format="%.4g"),
             "best_loss": st.column_config.NumberColumn("best loss", format="%.4g"),
             "samples_per_s": st.column_config.NumberColumn("samples/s", format="%.0f"),
+            "comm_share": st.column_config.NumberColumn(
+                "comm share", format="percent",
+                help="The median share of a step the backward's all-reduce took (DDP's sampled timings)"),
         },
     )
     selected = [int(page_df.iloc[i]["id"]) for i in event.selection.rows] if event and event.selection else []

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddpdash.db.engine import make_engine
     from ddpdash.db.runs import add_event, finish_run
 
+    from .diagnose import Diagnose
     from .priority import yield_cpu_to_training
     from .relay_server import RelayServer
     from .watch import promote_checkpoint, supervise
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(db_url)
     relay = RelayServer(engine, args.run_id, listener,
                         on_rank_closed=lambda: promote_checkpoint(run_dir, relay.written_steps(), cfg.world_size))
+    diagnose = Diagnose(engine, args.run_id, cfg).start()
     try:
         status = supervise(engine, args.run_id, run_dir, cfg, proc, stop_requested, relay)
     except Exception as exc:
@@ -69,9 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             if finish_run(s, args.run_id, RunStatus.FAILED, error=f"supervisor error on {socket.gethostname()}: {exc}"):
                 add_event(s, args.run_id, EventKind.FAILED, f"supervisor error: {exc}")
         _hand_on(engine)
+        diagnose.finish()
         return 1
     log.info("run %d %s", args.run_id, status)
     _hand_on(engine)
+    diagnose.finish()  # the outcome's alert: after the machine is handed on, so no queued run waits for it
     return 0
 
 
