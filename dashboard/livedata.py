@@ -144,6 +144,7 @@ def rank_flag(run: RunInfo, status: str, heartbeat_age: float | None, rank: int,
 
 BREAKDOWN_WINDOW = 30  # the newest points per rank a step's breakdown is the median of
 EXPOSED_COMM = "communication (not overlapped)"
+BACKWARD_COMPUTE = "backward compute"
 PHASE_LABELS = {Metric.DATA_TIME: "data wait", Metric.FORWARD_TIME: "forward", Metric.BACKWARD_TIME: "backward",
                 Metric.OPTIMIZER_TIME: "optimizer"}
 BREAKDOWN_COLUMNS = ["rank", "phase", "order", "seconds"]
@@ -165,11 +166,12 @@ def step_breakdown(cache: SeriesCache, window: int = BREAKDOWN_WINDOW) -> pd.Dat
             if rank not in medians[name].index:
                 continue
             seconds = float(medians[name][rank])
+            label = PHASE_LABELS[name]
             if name == Metric.BACKWARD_TIME and exposed is not None:
                 exposed = min(exposed, seconds)
                 rows.append((int(rank), EXPOSED_COMM, order + 0.5, exposed))
-                seconds -= exposed
-            rows.append((int(rank), PHASE_LABELS[name], order, seconds))
+                seconds, label = seconds - exposed, BACKWARD_COMPUTE
+            rows.append((int(rank), label, order, seconds))
     return pd.DataFrame(rows, columns=BREAKDOWN_COLUMNS)
 
 
@@ -184,8 +186,10 @@ def first_nonfinite(events: pd.DataFrame) -> str | None:
     found = events[events["kind"] == EventKind.NONFINITE]
     if found.empty:
         return None
-    steps = found["message"].str.extract(r"at step (\d+)", expand=False).astype(float)
-    return str(found.loc[steps.fillna(float("inf")).idxmin(), "message"])
+    steps = found["message"].str.extract(r"at step (\d+)", expand=False).astype(float).fillna(float("inf"))
+    # At the same step a loss comes before a gradient norm: the all-reduce spread a rank's NaN loss to the others.
+    order = steps * 2 + found["message"].str.contains("gradient").astype(float)
+    return str(found.loc[order.idxmin(), "message"])
 
 
 def failures(events: pd.DataFrame) -> pd.DataFrame:

@@ -214,6 +214,8 @@ def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     if run.world_size > 1 and not step_times.empty:
         straggler = find_straggler(step_times)  # the Live page's judgement, on the same newest steps
         print(f"  straggler {straggler.text() if straggler else 'none: no rank holds the others back'}")
+    for line in _time_per_step(engine, args.run):
+        print(line)
     if run.failed_ranks:
         print(f"  failed   rank(s) {list(run.failed_ranks)}")
     for row in states.itertuples(index=False):
@@ -226,6 +228,24 @@ def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
         print("  error:\n    " + run.error.strip().replace("\n", "\n    "))
     print("  config: " + json.dumps(run.config, sort_keys=True))
     return 0
+
+
+def _time_per_step(engine: Engine, run_id: int) -> list[str]:
+    """The Live page's "time per step" per rank, and its communication share, as lines."""
+    from ddpdash.dashboard.livedata import SeriesCache, step_breakdown
+
+    cache = SeriesCache(run_id)
+    with Session(engine) as s:
+        cache.refresh(s, (*Metric.PHASES, Metric.COMM_TIME, Metric.COMM_OVERLAP_TIME, Metric.COMM_SHARE))
+    table = step_breakdown(cache)
+    share = cache.get(Metric.COMM_SHARE)
+    shares = share.groupby("rank")["value"].median() if not share.empty else {}
+    lines = []
+    for rank, phases in table.groupby("rank"):
+        parts = ", ".join(f"{row.phase} {row.seconds * 1e3:.2f} ms" for row in phases.sort_values("order").itertuples())
+        comm = f"; communication share {shares[rank]:.0%}" if rank in shares else ""
+        lines.append(f"  time per step, rank {rank}: {parts}{comm}")
+    return lines
 
 
 def cmd_stop(engine: Engine, args: argparse.Namespace) -> int:

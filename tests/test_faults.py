@@ -388,9 +388,19 @@ def test_a_straggler_is_named_only_when_there_is_one(engine: Engine, monkeypatch
         assert sum("rank 1 is the straggler" in f for f in named) >= len(flags) - 1, flags  # within two refreshes
         assert not any("rank 0 is the straggler" in f for f in named), flags
         assert "  straggler rank 1 is the straggler: the others wait ≈" in shown, shown
+        # The supervisor names it too, once, as an event (an alert where a webhook is set).
+        wait_for(lambda: _straggler_events(engine, run_id), 30)
+        assert [r for r, _ in _straggler_events(engine, run_id)] == [1]
     else:
         assert flags == [[]] * len(flags), flags
         assert "  straggler none: no rank holds the others back" in shown, shown
+        assert _straggler_events(engine, run_id) == []
+
+
+def _straggler_events(engine: Engine, run_id: int) -> list[tuple[int, str]]:
+    with Session(engine) as s:
+        found = events(s, run_id)
+    return [(int(e.rank), e.message) for e in found[found["kind"] == EventKind.STRAGGLER].itertuples()]
 
 
 def _show(engine: Engine, run_id: int) -> str:

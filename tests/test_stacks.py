@@ -1,6 +1,7 @@
 """Why a rank hangs: every rank's stack read with py-spy (and through faulthandler where py-spy cannot
-attach), a verdict in plain words, on demand (`ddpdash stacks`, the Live page's button) and by itself once
-per hang — on a real 2-rank gloo run whose rank 1 stalls at step 20."""
+attach), a verdict in plain words, and the Flight Recorder's finding (torch's analyser over every rank's
+dump), on demand (`ddpdash stacks`, the Live page's button) and by the supervisor itself once per hang — on
+a real 2-rank gloo run whose rank 1 stalls at step 20."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from ddpdash.trainer.control import launch
 from ddpdash.trainer.stacks import Frame, RankStack, capture_run, parse_faulthandler, parse_py_spy, verdict
 from tests.conftest import CPU_MACHINE, tiny, wait_for
 
+HANG_AFTER_S = 8
 WAITING_RANK_0 = "rank 0 waits in all_reduce (DDP backward, train.py:"
+NEVER_JOINED = "rank 1 never joined collective #"
 SLEEPING_RANK_1 = "rank 1 is in time.sleep (train.py:"
 
 
 def stalled_run(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setenv("DDPDASH_TEST_FAULT", "stall:1:20")
-    run_id = launch(engine, tiny(max_steps=10_000, sync_check_every=0), CPU_MACHINE)
+    run_id = launch(engine, tiny(max_steps=10_000, sync_check_every=0, hang_after_s=HANG_AFTER_S), CPU_MACHINE)
     # Rank 1 stops after step 20's update, before logging it; rank 0 logs 20 and waits in step 21's backward.
     wait_for(lambda: _steps(engine, run_id) == {0: 20, 1: 19}, 90)
     time.sleep(1.0)
@@ -83,24 +86,30 @@ def test_a_stalled_rank_is_named_on_demand_and_by_itself_once_per_hang(engine: E
     from tests.test_dashboard_app import open_page, ran
 
     run_id = stalled_run(engine, monkeypatch)
-    # The Live page: once the ranks are flagged hung (no step for a minute), its first refresh reads the
-    # stacks by itself; the next refresh shows that capture without reading again (once per hang).
-    wait_for(lambda: _stalled_for(engine, run_id) > 62, 120, every=1.0)
+    # Once the ranks are flagged hung (no step for hang_after_s), the supervisor reads the stacks and the
+    # Flight Recorder by itself, once per hang; the Live page's next refreshes show that capture.
+    wait_for(lambda: _stalled_for(engine, run_id) > HANG_AFTER_S, 60, every=0.5)
+    wait_for(lambda: len(_hung(engine, run_id)) == 1, 20, every=0.5)
+    hung = _hung(engine, run_id)["message"].iloc[0]
+    assert hung.startswith("ranks 0, 1 made no new step for ") and SLEEPING_RANK_1 in hung, hung
+    assert f"Flight Recorder: {NEVER_JOINED}" in hung and "all_reduce (rank 0 waits in it)" in hung, hung
     at = open_page("views/live.py", run=str(run_id))
     for _ in range(2):
         ran(at.run())
         warnings = [w.value for w in at.warning]
         assert any(w.startswith(WAITING_RANK_0) and SLEEPING_RANK_1 in w for w in warnings), warnings
+        assert any(i.value.startswith(f"Flight Recorder: {NEVER_JOINED}") for i in at.info), [i.value for i in at.info]
         assert any("no new step for" in str(v) for v in at.dataframe[0].value["flag"])
-        assert len(_captures(engine, run_id)) == 1
+        assert len(_captures(engine, run_id)) == 1 and len(_hung(engine, run_id)) == 1
     # On demand, from the CLI: a new capture, the same verdict, each rank's frames with its own code marked.
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "ddpdash.cli", "--db-url", str(engine.url), "stacks", str(run_id)],
                          capture_output=True, text=True, timeout=60)
     took = time.monotonic() - started
     assert out.returncode == 0, out.stderr
-    first = out.stdout.splitlines()[0]
+    first, second = out.stdout.splitlines()[:2]
     assert first.startswith(WAITING_RANK_0) and SLEEPING_RANK_1 in first, out.stdout
+    assert second.startswith(f"Flight Recorder: {NEVER_JOINED}"), out.stdout
     assert "-- rank 1 (pid" in out.stdout and "▶ apply_faults (train.py:" in out.stdout
     assert took < 30 and len(_captures(engine, run_id)) == 2
 
@@ -109,6 +118,12 @@ def _captures(engine: Engine, run_id: int):  # type: ignore[no-untyped-def]
     with Session(engine) as s:
         ev = events(s, run_id)
     return ev[ev["kind"] == EventKind.STACKS]
+
+
+def _hung(engine: Engine, run_id: int):  # type: ignore[no-untyped-def]
+    with Session(engine) as s:
+        ev = events(s, run_id)
+    return ev[ev["kind"] == EventKind.HUNG]
 
 
 def _stalled_for(engine: Engine, run_id: int) -> float:
