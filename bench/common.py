@@ -130,6 +130,16 @@ class Store:
             )
             assert self.host.stdout is not None
             self.env = json.loads(self.host.stdout.readline())
+        self.env.update(launched_rank_env(work))
+
+
+def launched_rank_env(run_folder: Path) -> dict[str, str]:
+    """What a launched run's ranks get besides the relay (trainer.commands.torchrun_env): the run folder,
+    where they read the dashboard's requests, and the Flight Recorder's collective buffer turned on."""
+    from ddpdash.trainer.commands import RUN_DIR_ENV
+    from ddpdash.trainer.flight_recorder import rank_env
+
+    return {RUN_DIR_ENV: str(run_folder), **rank_env(run_folder)}
 
     def drain(self) -> None:
         """Once the ranks have exited: wait until the relay has written everything they sent."""
