@@ -106,6 +106,15 @@ def run_main(doc: str | None, sizes: dict[str, tuple[int, ...]],
     print_results(measure(*sizes[mode(args)]))
 
 
+def launched_rank_env(run_folder: Path) -> dict[str, str]:
+    """What a launched run's ranks get besides the relay (trainer.commands.torchrun_env): the run folder,
+    where they read the dashboard's requests, and the Flight Recorder's collective buffer turned on."""
+    from ddpdash.trainer.commands import RUN_DIR_ENV
+    from ddpdash.trainer.flight_recorder import rank_env
+
+    return {RUN_DIR_ENV: str(run_folder), **rank_env(run_folder)}
+
+
 class Store:
     """The database a ddpdash loop writes, its run, and (relay=True) the relay the ranks send to, served
     as a launched run's is: by another process, in its own session, at the supervisor's priority."""
@@ -132,14 +141,6 @@ class Store:
             self.env = json.loads(self.host.stdout.readline())
         self.env.update(launched_rank_env(work))
 
-
-def launched_rank_env(run_folder: Path) -> dict[str, str]:
-    """What a launched run's ranks get besides the relay (trainer.commands.torchrun_env): the run folder,
-    where they read the dashboard's requests, and the Flight Recorder's collective buffer turned on."""
-    from ddpdash.trainer.commands import RUN_DIR_ENV
-    from ddpdash.trainer.flight_recorder import rank_env
-
-    return {RUN_DIR_ENV: str(run_folder), **rank_env(run_folder)}
 
     def drain(self) -> None:
         """Once the ranks have exited: wait until the relay has written everything they sent."""

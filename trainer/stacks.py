@@ -19,7 +19,7 @@ import json
 import re
 import sysconfig
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,12 +230,16 @@ def capture_run(engine: Any, run_id: int, flight_recorder: bool = True) -> Captu
     places = [(int(r.rank), int(r.pid)) for r in states.itertuples(index=False)
               if r.pid and r.host in ("", here) and alive(int(r.pid))]
     run_dir = RunDir(Path(run.run_dir)) if run.run_dir else None
-    request = ask(run_dir, FLIGHT_RECORDER) if flight_recorder and run_dir and places else None
-    result = capture(places, run_dir.stack_file if run_dir else None)
+    finding: Future[str] | None = None
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        if flight_recorder and run_dir is not None and places:  # beside py-spy: the ranks answer meanwhile
+            request = ask(run_dir, FLIGHT_RECORDER)
+            finding = pool.submit(read_flight_recorder, run_dir, request, {rank for rank, _ in places})
+        result = capture(places, run_dir.stack_file if run_dir else None)
+        if finding is not None:
+            result.finding = finding.result()
     if not places:
         result.verdict = "no live rank of this run on this host to read"
-    if request is not None and run_dir is not None:
-        result.finding = read_flight_recorder(run_dir, request, {rank for rank, _ in places})
     with Session(engine) as s, s.begin():
         add_event(s, run_id, EventKind.STACKS, result.verdict, detail=result.detail())
     return result
