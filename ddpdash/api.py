@@ -174,7 +174,7 @@ class _Run:
         self.phases = {}
         if self.comm is not None:
             wall = now - self.last_log_at
-            out.update(comm_metrics(self.comm.read(), wall / max(steps, 1)))
+            out.update(comm_metrics(self.comm.read(self.next_step), wall / max(steps, 1)))
         self.last_log_at = now
         return out
 
@@ -266,12 +266,12 @@ def watch(ddp_model: Any) -> Any:
     """Report DDP's own sampled timings of `ddp_model` (a DistributedDataParallel): its backward's
     communication, their overlap with compute, and the communication's share of the step, with each
     log(). Returns the model."""
-    from ddpdash.trainer.phases import CommSampler, start_sampling
+    from ddpdash.trainer.phases import CommSampler, sample_every, sample_steps, start_sampling
 
     run = _run()
     if run.logger is not None:
-        start_sampling(ddp_model, 1)
-        run.comm = CommSampler(ddp_model)
+        start_sampling(ddp_model, sample_every(1, 1))
+        run.comm = CommSampler(ddp_model, sample_steps(1))
     return ddp_model
 
 

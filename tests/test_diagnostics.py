@@ -48,6 +48,16 @@ def kinds(engine: Engine, run_id: int) -> list[str]:
         return list(events(s, run_id)["kind"])
 
 
+# ---- 1: the Flight Recorder of a failed run ----------------------------------------------------------------
+def test_a_failed_runs_error_names_the_collective_a_rank_never_joined(engine: Engine,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPDASH_TEST_FAULT", "raise:1:5")  # rank 1 raises after step 5; rank 0 waits in step 6's
+    run = wait_final(engine, launch(engine, tiny(max_steps=30, sync_check_every=0), CPU_MACHINE))
+    assert run.status == RunStatus.FAILED and run.failed_ranks == (1,)
+    assert "Flight Recorder: rank 1 never joined collective #" in run.error, run.error
+    assert "all_reduce (rank 0 waits in it)" in run.error
+
+
 # ---- 2: where a step's time goes --------------------------------------------------------------------------
 def test_each_ranks_step_is_split_into_phases_and_communication(engine: Engine) -> None:
     from tests.test_dashboard_app import chart_specs, open_page, ran

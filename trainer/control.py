@@ -312,16 +312,19 @@ def py_spy_dump(pid: int) -> tuple[bool, str]:
 ANALYSER_TIMEOUT_S = 30.0
 
 
-def analyse_flight_recorder(folder: Path) -> dict[str, str]:
+def analyse_flight_recorder(folder: Path, expect: set[int] | None = None, wait_s: float = 0.0) -> dict[str, str]:
     """torch's Flight Recorder analyser over one dump folder, in a child process (it unpickles the ranks'
-    dumps): {"finding": a line, "report": what it printed}."""
+    dumps), once the ranks in `expect` have dumped or `wait_s` has passed (torch loads meanwhile):
+    {"finding": a line, "report": what it printed}."""
     import sys
 
     from .flight_recorder import ANALYSER_MODULE
 
+    argv = [sys.executable, "-m", ANALYSER_MODULE, str(folder), "--expect", ",".join(map(str, sorted(expect or ()))),
+            "--wait", str(wait_s)]
     try:
-        out = subprocess.run([sys.executable, "-m", ANALYSER_MODULE, str(folder)], capture_output=True, text=True,
-                             timeout=ANALYSER_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=ANALYSER_TIMEOUT_S + wait_s,
+                             stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return {"finding": f"the Flight Recorder analyser took longer than {ANALYSER_TIMEOUT_S:g} s", "report": ""}
     try:

@@ -20,6 +20,7 @@ import pickle
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,10 +165,21 @@ def _ranks(text: str) -> list[int]:
     return sorted(int(x) for x in text.replace(" ", "").split(",") if x)
 
 
+def wait_for_dumps(folder: Path, ranks: set[int], wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while not ranks <= set(dumped_ranks(folder)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m {ANALYSER_MODULE}", description="Analyse a Flight Recorder dump.")
     p.add_argument("folder", type=Path)
+    p.add_argument("--expect", default="", help="ranks whose dumps to wait for, comma-separated")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for them at most")
     args = p.parse_args(argv)
+    import torch.distributed.flight_recorder.components.builder  # noqa: F401 (torch loads while the ranks dump)
+
+    wait_for_dumps(args.folder, {int(r) for r in args.expect.split(",") if r}, args.wait)
     print(json.dumps(analyse(args.folder)))
     return 0
 

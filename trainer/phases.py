@@ -15,15 +15,19 @@ from typing import Any
 from ddpdash.db.vocab import Metric
 
 NS = 1e-9
-# DDP times its CUDA phases with events it reads back at the next forward: a sync. Sampling at most every
-# this many iterations on a GPU keeps that off most steps; on CPU its timers are clock reads.
-GPU_MIN_SAMPLE_EVERY = 10
+# Steps between DDP's samples, at least: a sample costs DDP its timers' bookkeeping (on a GPU, events it
+# reads back at the next forward: a sync), and reading it costs a dict of some sixty entries from C++. One
+# per log window, and at most one every this many steps, keeps both off nearly every step.
+MIN_SAMPLE_EVERY = 10
 
 
-def sample_every(log_every: int, grad_accum_steps: int, cuda: bool) -> int:
-    """DDP iterations (forward calls) between samples: about one per log window."""
-    windows = max(log_every, GPU_MIN_SAMPLE_EVERY) if cuda else log_every
-    return max(1, windows * grad_accum_steps)
+def sample_steps(log_every: int) -> int:
+    return max(log_every, MIN_SAMPLE_EVERY)
+
+
+def sample_every(log_every: int, grad_accum_steps: int) -> int:
+    """DDP iterations (forward calls) between samples."""
+    return max(1, sample_steps(log_every) * grad_accum_steps)
 
 
 def start_sampling(ddp: Any, every: int) -> None:
@@ -34,15 +38,19 @@ def start_sampling(ddp: Any, every: int) -> None:
 
 @dataclass
 class CommSampler:
-    """Reads a DDP model's newest sample; each sample is reported once (None until a new one is there)."""
+    """Reads a DDP model's newest sample, every `every_steps` steps at most; each sample is reported once
+    (None until a new one is there)."""
 
     ddp: Any
+    every_steps: int = 1
     last_iteration: int = -1
+    last_read_step: int = -(10**9)
 
-    def read(self) -> dict[str, float] | None:
+    def read(self, step: int) -> dict[str, float] | None:
         getter = getattr(self.ddp, "_get_ddp_logging_data", None)
-        if getter is None:
+        if getter is None or step - self.last_read_step < self.every_steps:
             return None
+        self.last_read_step = step
         data = getter()
         iteration = int(data.get("iteration", 0) or 0)
         if "backward_comm_time" not in data or iteration == self.last_iteration:

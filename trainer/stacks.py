@@ -252,17 +252,16 @@ def read_flight_recorder(run_dir: Any, request: str, ranks: set[int]) -> str:
     from .flight_recorder import dumped_ranks
 
     folder = run_dir.flight_recorder(request)
-    deadline = time.monotonic() + FLIGHT_RECORDER_WAIT_S
-    while not ranks <= set(dumped_ranks(folder)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    withdraw(run_dir, request)
+    try:
+        result = analyse_flight_recorder(folder, ranks, FLIGHT_RECORDER_WAIT_S)
+    finally:
+        withdraw(run_dir, request)
     dumped = dumped_ranks(folder)
     if not dumped:
         return ("no rank dumped its Flight Recorder buffer (a script's ranks answer only while they log "
                 "through ddpdash; a run without a process group has none)")
-    found = analyse_flight_recorder(folder)["finding"]
     missing = sorted(ranks - set(dumped))
-    return found + (f" (no dump from rank(s) {missing})" if missing else "")
+    return result["finding"] + (f" (no dump from rank(s) {missing})" if missing else "")
 
 
 def latest_capture(events: Any) -> Capture | None:

@@ -32,7 +32,7 @@ from .config import RunConfig
 from .data import Samples
 from .faults import Fault, InjectedFault, parse_faults
 from .metrics import RankLogger
-from .phases import CommSampler, comm_metrics, sample_every, start_sampling
+from .phases import CommSampler, comm_metrics, sample_every, sample_steps, start_sampling
 from .profiling import ProfileHook
 from .recipes import batch_length, forward, load_recipe, to_device
 from .registry import RankPlace, open_logger, record_outcome_if_unsupervised, run_key
@@ -296,8 +296,8 @@ def make_trainee(cfg: RunConfig, env: DistEnv, recipe: Recipe, run_key: str,
     model = wrap_ddp(cfg, module, env)
     comm = None
     if isinstance(model, DDP):
-        start_sampling(model, sample_every(cfg.log_every, cfg.grad_accum_steps, env.device.type == "cuda"))
-        comm = CommSampler(model)
+        start_sampling(model, sample_every(cfg.log_every, cfg.grad_accum_steps))
+        comm = CommSampler(model, sample_steps(cfg.log_every))
     return Trainee(
         cfg, env, recipe, module, model, make_optimizer(cfg, module.parameters()),
         torch.amp.GradScaler(env.device.type, enabled=cfg.amp == "fp16"),
@@ -403,7 +403,8 @@ def train_step(t: Trainee, step: int, batches: Iterator[Any], window: Window, ma
         window.micro_batches += 1
         window.compute_s += time.perf_counter() - t1
     m4, t2 = clock.mark(), time.perf_counter()
-    if log_step and cfg.amp != "fp16":  # fp16's scaled gradients overflow on purpose: GradScaler skips those steps
+    # fp16's scaled gradients overflow on purpose (GradScaler skips those steps): no norm to judge there.
+    if log_step and step % sample_steps(cfg.log_every) == 0 and cfg.amp != "fp16":
         window.grad_norm = total_grad_norm(t.module)
     t.scaler.step(t.opt)
     t.scaler.update()
@@ -470,7 +471,7 @@ def window_metrics(w: Window, t: Trainee, step: int) -> tuple[dict[str, float], 
     if grad_norm is not None:
         values[Metric.GRAD_NORM] = grad_norm
     if t.comm is not None:
-        values.update(comm_metrics(t.comm.read(), (w.compute_s + w.data_s) / steps))
+        values.update(comm_metrics(t.comm.read(step), (w.compute_s + w.data_s) / steps))
     env, tokens_per_sample = t.env, t.tokens_per_sample
     for name, total in w.metric_sums.items():  # .item() of the recipe's tensors: here, at log steps only
         values[name] = float(total) / max(w.micro_batches, 1)

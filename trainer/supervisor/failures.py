@@ -120,3 +120,18 @@ def blame(run_dir: RunDir, frozen: dict[int, float]) -> tuple[list[RankFailure],
         causes = signalled_ranks(run_dir) or root_causes(reported)
     blamed = {f.rank for f in causes}
     return causes, [f for f in reported if f.rank not in blamed]
+
+
+def flight_recorder_finding(run_dir: RunDir, world_size: int) -> str | None:
+    """What the Flight Recorder dumps of the ranks that raised say (trainer/flight_recorder.py), when at least
+    two ranks left one: the collective a rank never joined, or the ranks that left none. None otherwise."""
+    from ..control import analyse_flight_recorder
+    from ..flight_recorder import FAILURE_DUMP, dumped_ranks
+
+    folder = run_dir.flight_recorder(FAILURE_DUMP)
+    dumped = dumped_ranks(folder)
+    if len(dumped) < 2:
+        return None  # one rank's buffer alone has nothing to compare
+    finding = analyse_flight_recorder(folder)["finding"]
+    missing = sorted(set(range(world_size)) - set(dumped))
+    return finding + (f" (rank(s) {missing} left no dump: they did not raise, or were killed first)" if missing else "")

@@ -32,7 +32,7 @@ from ddpdash.db.vocab import EventKind, RankStatus, RunStatus
 from ..config import RunConfig
 from ..control import descendants, terminate_run
 from ..rundir import RunDir, tail
-from .failures import RankFailure, blame, exited_ranks, root_causes
+from .failures import RankFailure, blame, exited_ranks, flight_recorder_finding, root_causes
 from .relay_server import RelayServer
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,9 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
         if others:
             error += "\n\nalso failed as a consequence: " + "; ".join(
                 f"rank {f.rank}: {f.message.splitlines()[0][:200] if f.message else '?'}" for f in others)
+        finding = flight_recorder_finding(run_dir, world)
+        if finding:
+            error += f"\n\nFlight Recorder: {finding}"
         _close_ranks(s, run_id, RankStatus.FAILED)
         finish_run(s, run_id, RunStatus.FAILED, exit_code=code, failed_ranks=ranks, error=error)
         summary = f"rank(s) {ranks} failed" if ranks else f"torchrun exited {code}"
