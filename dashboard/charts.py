@@ -5,11 +5,15 @@ time, count — already at most a few thousand points per rank."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import altair as alt
 import numpy as np
 import pandas as pd
 
 MEAN_LABEL = "mean of ranks"
+MAX_RANK_LINES = 8  # more ranks than this: their mean, a band (min–max over every rank), and the ranks picked
+BAND_LABEL = "min–max of all ranks"
 TOTAL_LABEL = "total"
 CHART_HEIGHT = 260
 # Zoom and pan along steps: one parameter, made once and added to every chart (a chart has one, so
@@ -29,9 +33,11 @@ def ema(values: pd.Series, smoothing: float) -> pd.Series:
     return values.ewm(alpha=1 - min(smoothing, 0.999), adjust=True).mean()
 
 
-def per_rank_with_aggregate(df: pd.DataFrame, how: str, label: str, smoothing: float = 0.0) -> pd.DataFrame:
-    """Long frame [series, kind, step, value] with one series per rank plus their mean (or sum) across
-    ranks, ordered by series name, then step. In numpy: it runs for every chart on every Live refresh."""
+def per_rank_with_aggregate(df: pd.DataFrame, how: str, label: str, smoothing: float = 0.0,
+                            only: Sequence[int] | None = None) -> pd.DataFrame:
+    """Long frame [series, kind, step, value] with one series per rank (or per rank in `only`) plus their
+    mean (or sum) across every rank, ordered by series name, then step. In numpy: it runs for every chart
+    on every Live refresh."""
     if df.empty:
         return pd.DataFrame(columns=["series", "kind", "step", "value"])
     rank = df["rank"].to_numpy(dtype=np.int64)
@@ -57,15 +63,41 @@ def per_rank_with_aggregate(df: pd.DataFrame, how: str, label: str, smoothing: f
         "step": np.concatenate([step, steps])[order],
         "value": np.concatenate([value, combined])[order],
     })
+    if only is not None:
+        out = out[(out["kind"] == "all ranks") | out["series"].isin([series_label(r) for r in only])]
     if smoothing > 0:
         out["value"] = out.groupby("series", sort=False)["value"].transform(lambda v: ema(v, smoothing))
     return out
 
 
-def _line(data: pd.DataFrame, y_title: str, log_scale: bool = False, x: str = "step",
-          x_title: str = "step") -> alt.Chart:
+def rank_band(df: pd.DataFrame) -> pd.DataFrame:
+    """Per step, the lowest and highest value of any rank [step, lo, hi]: many ranks drawn as one band."""
+    if df.empty:
+        return pd.DataFrame(columns=["step", "lo", "hi"])
+    by_step = df.groupby("step")["value"]
+    return pd.DataFrame({"lo": by_step.min(), "hi": by_step.max()}).reset_index()
+
+
+def _banded(line: alt.Chart, df: pd.DataFrame, ranks: Sequence[int] | None, title: str,
+            log_scale: bool = False) -> alt.Chart | alt.LayerChart:
+    """`line` as it is for a few ranks; for many (`ranks` picked), over the band of every rank's values."""
+    if ranks is None:
+        return line.add_params(ZOOM).properties(title=title)
+    band = rank_band(df).assign(series=BAND_LABEL)
+    if log_scale:
+        band = band[band["lo"] > 0]
     scale = alt.Scale(type="log") if log_scale else alt.Scale(zero=False)
-    return (
+    area = alt.Chart(band).mark_area(opacity=0.18, color="gray").encode(
+        x="step:Q", y=alt.Y("lo:Q", scale=scale), y2="hi:Q",
+        tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("lo:Q", format=".4g", title="lowest rank"),
+                 alt.Tooltip("hi:Q", format=".4g", title="highest rank")])
+    return alt.layer(area, line).add_params(ZOOM).properties(title=title)
+
+
+def _line(data: pd.DataFrame, y_title: str, log_scale: bool = False, x: str = "step",
+          x_title: str = "step", zoom: bool = True) -> alt.Chart:
+    scale = alt.Scale(type="log") if log_scale else alt.Scale(zero=False)
+    chart = (
         alt.Chart(data, height=CHART_HEIGHT)
         .mark_line(interpolate="linear")
         .encode(
@@ -77,27 +109,34 @@ def _line(data: pd.DataFrame, y_title: str, log_scale: bool = False, x: str = "s
             tooltip=[alt.Tooltip("series:N"), alt.Tooltip(f"{x}:Q", title=x_title),
                      alt.Tooltip("value:Q", format=".4g")],
         )
-        .add_params(ZOOM)
     )
+    return chart.add_params(ZOOM) if zoom else chart
 
 
-def loss_chart(df: pd.DataFrame, smoothing: float = 0.0, log_scale: bool = False) -> alt.Chart:
-    """Loss per rank and the mean across ranks."""
-    data = per_rank_with_aggregate(df, "mean", MEAN_LABEL, smoothing)
+def loss_chart(df: pd.DataFrame, smoothing: float = 0.0, log_scale: bool = False,
+               ranks: Sequence[int] | None = None) -> alt.Chart | alt.LayerChart:
+    """Loss per rank and the mean across ranks; with `ranks` (many ranks), those ranks' lines only, over the
+    band of every rank's."""
+    data = per_rank_with_aggregate(df, "mean", MEAN_LABEL, smoothing, only=ranks)
     if log_scale:
         data = data[data["value"] > 0]
-    return _line(data, "loss", log_scale).properties(title="Loss")
+    return _banded(_line(data, "loss", log_scale, zoom=False), df, ranks, "Loss", log_scale)
 
 
-def throughput_chart(df: pd.DataFrame, unit: str = "samples/s") -> alt.Chart:
-    """Throughput per rank and in total."""
-    return _line(per_rank_with_aggregate(df, "sum", TOTAL_LABEL), unit).properties(title=f"Throughput ({unit})")
+def throughput_chart(df: pd.DataFrame, unit: str = "samples/s",
+                     ranks: Sequence[int] | None = None) -> alt.Chart | alt.LayerChart:
+    """Throughput per rank (or the `ranks` picked, over every rank's band) and in total."""
+    data = per_rank_with_aggregate(df, "sum", TOTAL_LABEL, only=ranks)
+    return _banded(_line(data, unit, zoom=False), df, ranks, f"Throughput ({unit})")
 
 
-def timing_chart(step_time: pd.DataFrame, data_time: pd.DataFrame) -> alt.Chart:
-    """Compute time and data-wait time per step, per rank (seconds)."""
+def timing_chart(step_time: pd.DataFrame, data_time: pd.DataFrame,
+                 ranks: Sequence[int] | None = None) -> alt.Chart:
+    """Compute time and data-wait time per step, per rank (seconds; the `ranks` picked, when many)."""
     frames = []
     for kind, df in (("step", step_time), ("data wait", data_time)):
+        if ranks is not None:
+            df = df[df["rank"].isin(ranks)]
         if not df.empty:
             part = df[["rank", "step", "value"]].copy()
             labels = {rank: f"{series_label(rank)} · {kind}" for rank in part["rank"].unique().tolist()}
@@ -216,9 +255,10 @@ def step_breakdown_chart(table: pd.DataFrame) -> alt.Chart:
     )
 
 
-def comm_share_chart(df: pd.DataFrame) -> alt.Chart:
-    """The share of each step the backward's communication took, per rank and their mean (0–100 %)."""
-    data = per_rank_with_aggregate(df, "mean", MEAN_LABEL)
+def comm_share_chart(df: pd.DataFrame, ranks: Sequence[int] | None = None) -> alt.Chart:
+    """The share of each step the backward's communication took, per rank (or the `ranks` picked) and their
+    mean (0–100 %)."""
+    data = per_rank_with_aggregate(df, "mean", MEAN_LABEL, only=ranks)
     return (_line(data, "communication share of the step")
             .encode(y=alt.Y("value:Q", title="communication share of the step", axis=alt.Axis(format="%"),
                             scale=alt.Scale(domain=[0, 1])))

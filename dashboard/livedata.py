@@ -11,6 +11,7 @@ import psutil
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from ddpdash.dashboard.charts import MAX_RANK_LINES
 from ddpdash.db.queries import DEFAULT_POINT_BUDGET, SERIES_COLUMNS, metric_series
 from ddpdash.db.runs import RunInfo
 from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
@@ -179,6 +180,25 @@ def _recent_median(df: pd.DataFrame, window: int) -> pd.Series:
     if df.empty:
         return pd.Series(dtype=float)
     return df.sort_values("step").groupby("rank").tail(window).groupby("rank")["value"].median()
+
+
+OUTLIER_RANKS = 3
+
+
+def outlier_ranks(df: pd.DataFrame, k: int = OUTLIER_RANKS, window: int = BREAKDOWN_WINDOW) -> list[int]:
+    """The `k` ranks whose recent values (the median of their newest points) lie furthest from the
+    ranks' median: what a many-rank chart draws besides the band, unless the user picks."""
+    medians = _recent_median(df, window).dropna()
+    far = (medians - medians.median()).abs().sort_values(ascending=False, kind="stable")
+    return sorted(int(r) for r in far.index[:k])
+
+
+def drawn_ranks(world_size: int, picked: list[int], loss: pd.DataFrame) -> list[int] | None:
+    """Which ranks the Live charts draw as lines: every one (None) for a few ranks; for many, the ranks
+    the user picked, else the outliers."""
+    if world_size <= MAX_RANK_LINES:
+        return None
+    return sorted(picked) if picked else outlier_ranks(loss)
 
 
 def first_nonfinite(events: pd.DataFrame) -> str | None:

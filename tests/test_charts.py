@@ -93,3 +93,24 @@ def test_lines_come_ordered_by_series_then_step_whatever_the_input_order() -> No
     assert keys == sorted(keys) and len(keys) == 12 * 3
     assert data.loc[data["series"] == "rank 10", "kind"].eq("rank").all()
     assert data.loc[data["series"] == "mean of ranks", "kind"].eq("all ranks").all()
+
+
+def test_many_ranks_are_a_band_their_mean_and_the_ranks_picked() -> None:
+    from ddpdash.dashboard import livedata
+
+    df = series(ranks=64, steps=40)
+    df.loc[df["rank"] == 17, "value"] += 50.0  # one rank far from the rest
+    drawn = livedata.drawn_ranks(64, [], df)
+    assert drawn is not None and 17 in drawn and len(drawn) == livedata.OUTLIER_RANKS
+    assert livedata.drawn_ranks(64, [5, 2], df) == [2, 5]  # the user's pick wins
+    assert livedata.drawn_ranks(charts.MAX_RANK_LINES, [], df) is None  # a few ranks: every one a line
+    spec = charts.loss_chart(df, ranks=[2, 5]).to_dict()
+    area, line = spec["layer"]
+    assert area["mark"]["type"] == "area" and line["mark"]["type"] == "line"
+    lines = pd.DataFrame(spec["datasets"][line["data"]["name"]])
+    assert sorted(lines["series"].unique()) == ["mean of ranks", "rank 2", "rank 5"]
+    mean = lines[lines["series"] == "mean of ranks"].sort_values("step")["value"]
+    assert mean.iloc[0] == pytest.approx(1 + 63 / 2 + 50 / 64)  # the mean is of every rank, not the drawn ones
+    band = pd.DataFrame(spec["datasets"][area["data"]["name"]])
+    assert band["hi"].max() == pytest.approx(40 + 17 + 50) and band["lo"].min() == 1
+    assert spec["title"] == "Loss"

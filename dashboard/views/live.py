@@ -52,15 +52,22 @@ def render() -> None:
         st.session_state["_live_cache"] = livedata.SeriesCache(run_id)
         st.session_state["_live_cache_run"] = run_id
     with Session(state.engine()) as s:
-        active = get_run(s, run_id).is_active
+        run = get_run(s, run_id)
     c1, c2 = st.columns([3, 1])
     smoothing = c1.slider("Smoothing", 0.0, 0.99, 0.0, 0.01, help="Exponential moving average of the loss.")
     log_scale = c2.toggle("Log scale", value=False)
-    panel = st.fragment(run_every=REFRESH_S if active else None)(_panel)
-    panel(run_id, smoothing, log_scale, active)
+    picked: list[int] = []
+    if run.world_size > charts.MAX_RANK_LINES:
+        picked = st.multiselect(
+            "Ranks drawn as lines", list(range(run.world_size)), key=f"ranks_drawn_{run_id}",
+            placeholder=f"the {livedata.OUTLIER_RANKS} ranks furthest from the others (pick to choose)",
+            help=f"{run.world_size} ranks: the charts show their mean and the band of every rank's values, "
+                 "and these ranks as lines")
+    panel = st.fragment(run_every=REFRESH_S if run.is_active else None)(_panel)
+    panel(run_id, smoothing, log_scale, run.is_active, picked)
 
 
-def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> None:
+def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool, picked: list[int]) -> None:
     engine = state.engine()
     state.reconcile_runs()  # each tick: a dead supervisor is noticed within seconds, not at the next page load
     cache: livedata.SeriesCache = st.session_state["_live_cache"]
@@ -77,7 +84,9 @@ def _panel(run_id: int, smoothing: float, log_scale: bool, was_active: bool) -> 
     if was_active and not run.is_active:
         st.rerun()  # the run ended: draw once more without the timer
     _banners(evs)
-    _charts(cache, smoothing, log_scale, bool(run.config.get("script") or run.config.get("module")), run.is_active)
+    drawn = livedata.drawn_ranks(run.world_size, picked, cache.get(Metric.LOSS))
+    _charts(cache, smoothing, log_scale, bool(run.config.get("script") or run.config.get("module")), run.is_active,
+            drawn)
     st.subheader("Ranks")
     st.dataframe(livedata.rank_table(run, states, cache), hide_index=True, width="stretch")
     _stacks(run, cache, evs)
@@ -136,7 +145,7 @@ if ddpdash.should_stop():  # the Stop button asked: finish the step and leave
 
 
 def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool, run_is_script: bool = False,
-            active: bool = True) -> None:
+            active: bool = True, drawn: list[int] | None = None) -> None:
     loss = cache.get(Metric.LOSS)
     if loss.empty:
         if run_is_script and not active:
@@ -150,24 +159,27 @@ def _charts(cache: livedata.SeriesCache, smoothing: float, log_scale: bool, run_
             st.info("Waiting for the first metrics: torchrun and the ranks take a few seconds to start.")
         return
     left, right = st.columns(2)
-    left.altair_chart(charts.loss_chart(loss, smoothing, log_scale), width="stretch")
+    left.altair_chart(charts.loss_chart(loss, smoothing, log_scale, drawn), width="stretch")
     tokens = cache.get(Metric.TOKENS_PER_S)
     speed = tokens if not tokens.empty else cache.get(Metric.SAMPLES_PER_S)
-    right.altair_chart(charts.throughput_chart(speed, "tokens/s" if not tokens.empty else "samples/s"),
+    right.altair_chart(charts.throughput_chart(speed, "tokens/s" if not tokens.empty else "samples/s", drawn),
                        width="stretch")
     left, right = st.columns(2)
-    left.altair_chart(charts.timing_chart(cache.get(Metric.STEP_TIME), cache.get(Metric.DATA_TIME)), width="stretch")
+    left.altair_chart(charts.timing_chart(cache.get(Metric.STEP_TIME), cache.get(Metric.DATA_TIME), drawn),
+                      width="stretch")
     acc, val_loss = cache.get(Metric.VAL_ACC), cache.get(Metric.VAL_LOSS)
     val, what = (acc, "accuracy") if not acc.empty else (val_loss, "loss")
     if not val.empty:
         right.altair_chart(charts.validation_chart(val, what), width="stretch")
     breakdown, share = livedata.step_breakdown(cache), cache.get(Metric.COMM_SHARE)
+    if drawn is not None:
+        breakdown = breakdown[breakdown["rank"].isin(drawn)]
     if not breakdown.empty or not share.empty:
         left, right = st.columns(2)
         if not breakdown.empty:
             left.altair_chart(charts.step_breakdown_chart(breakdown), width="stretch")
         if not share.empty:
-            right.altair_chart(charts.comm_share_chart(share), width="stretch")
+            right.altair_chart(charts.comm_share_chart(share, drawn), width="stretch")
 
 
 def _banners(evs) -> None:  # type: ignore[no-untyped-def]
