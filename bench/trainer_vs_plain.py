@@ -24,6 +24,7 @@ from ddpdash.db.chunks import read_points
 from ddpdash.trainer.config import RunConfig
 
 BATCH, WIDTH, WARMUP = 32, 64, 50
+FLIGHT_RECORDER_OFF = {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
 
 
 def torchrun(*args: str, env: dict[str, str]) -> None:
@@ -42,16 +43,16 @@ def plain(steps: int) -> float:
         return float(json.loads(out.read_text())["samples_per_s"])
 
 
-def ddpdash(steps: int, **changes: object) -> float:
+def ddpdash(steps: int, extra_env: dict[str, str] | None = None, **changes: object) -> float:
     """The trainer as ddpdash runs it: its ranks relay their metrics to a writer in another process
-    (bench/relay_host.py, standing in for the supervisor)."""
+    (bench/relay_host.py, standing in for the supervisor), the Flight Recorder's buffer on."""
     cfg = RunConfig(name="bench", recipe="mlp", width=WIDTH, depth=2, batch_size=BATCH, max_steps=steps,
                     log_every=1, checkpoint_every=0, sync_check_every=0, num_procs=2).replace(**changes)
     with tempfile.TemporaryDirectory() as work:
         (Path(work) / "config.json").write_text(cfg.to_json())
         store = Store(Path(work), relay=True)
         torchrun("-m", "ddpdash.trainer", "--config", f"{work}/config.json", "--run-id", str(store.run_id), "--db-url",
-                 store.url, env=store.env)
+                 store.url, env={**store.env, **(extra_env or {})})
         store.drain()
         with Session(store.engine) as s:
             loss = read_points(s, store.run_id, name="loss", rank=0)
@@ -68,6 +69,7 @@ def measure(steps: int, repeats: int) -> list[Result]:
                                                                              sync_check_every=50),
         "ddpdash trainer, your recipe": lambda: ddpdash(steps, recipe=f"{ROOT / 'bench' / 'digits_recipe.py'}:build",
                                                          workdir=str(ROOT / "bench"), params=(f"width={WIDTH}",)),
+        "ddpdash trainer, Flight Recorder off": lambda: ddpdash(steps, extra_env=FLIGHT_RECORDER_OFF),
     }, repeats)
     print(f"-- 2 gloo ranks, MLP on digits, batch {BATCH}/rank, {steps} steps (samples/s from step {WARMUP})")
     for name, values in rates.items():
@@ -76,8 +78,11 @@ def measure(steps: int, repeats: int) -> list[Result]:
     extra, _ = median_spread(ratios(rates["ddpdash trainer, checkpoint + sync check every 50"],
                                     rates["plain DDP script"]))
     own, own_spread = median_spread(ratios(rates["ddpdash trainer, your recipe"], rates["plain DDP script"]))
+    recorder, recorder_spread = median_spread(ratios(rates["ddpdash trainer"],
+                                                     rates["ddpdash trainer, Flight Recorder off"]))
     print(f"  ddpdash / plain: {share:.3f}× (spread {spread:.3f}); with checkpoints and sync checks: {extra:.3f}×; "
-          f"your recipe: {own:.3f}× (spread {own_spread:.3f})")
+          f"your recipe: {own:.3f}× (spread {own_spread:.3f}); Flight Recorder on / off: {recorder:.3f}× "
+          f"(spread {recorder_spread:.3f})")
     return [Result("trainer vs plain DDP", f"{share:.3f}× samples/s", "≥ 0.98×", share >= 0.98),
             Result("your recipe vs plain DDP", f"{own:.3f}× samples/s", "≥ 0.98×", own >= 0.98)]
 

@@ -459,7 +459,8 @@ def window_metrics(w: Window, t: Trainee, step: int) -> tuple[dict[str, float], 
     elapsed = max(time.perf_counter() - w.start, 1e-9)
     steps = max(w.steps, 1)
     # One read from the device (a sync: only at log steps): every micro-batch's loss, and the gradient norm.
-    read = torch.stack([*w.losses, *([w.grad_norm] if w.grad_norm is not None else [])]).float().tolist()
+    tensors = [*w.losses, *([w.grad_norm] if w.grad_norm is not None else [])]
+    read = [tensors[0].item()] if len(tensors) == 1 else torch.stack(tensors).float().tolist()
     losses, grad_norm = read[:len(w.losses)], (read[-1] if w.grad_norm is not None else None)
     values = {
         Metric.LOSS: sum(losses) / steps,
