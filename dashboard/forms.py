@@ -28,7 +28,8 @@ from ddpdash.trainer.config import (
 from ddpdash.trainer.memory import estimate
 
 KEY_PREFIX = "cfg_"
-SECTION_ORDER = ("Run", "Devices", "Your script", "Model", "Your data", "Training", "Advanced DDP", "Diagnostics")
+SECTION_ORDER = ("Run", "Devices", "Your script", "Model", "Your data", "Training", "Advanced DDP", "Diagnostics",
+                 "Storage")
 # What a script brings itself: the form hides these when one is chosen.
 MODEL_SECTION_FIELDS = {"recipe", "dataset", "width", "depth", "seq_len", "num_heads", "num_samples", "data", "target",
                         "task", "val_fraction", "image_size", "arch"}

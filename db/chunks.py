@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from .columns import Group
@@ -89,6 +89,17 @@ def read_points(s: Session, run_id: int, *, name: str | None = None, rank: int |
     points = decode(result.cursor.fetchall())  # plain DBAPI tuples: no Row object per chunk
     result.close()
     return points.where(points.step > after_step)  # a chunk that ends after it may start before it
+
+
+def discard_before(s: Session, run_id: int, step: int) -> tuple[int, int]:
+    """Delete a run's chunks that end before `step` (every rank and metric): (chunks, points) deleted. A
+    chunk that straddles it is kept whole: every point from `step` on stays."""
+    c = MetricChunk.__table__.c
+    where = (c.run_id == run_id, c.step_max < step)
+    chunks, points = s.execute(select(func.count(), func.coalesce(func.sum(c.count), 0)).where(*where)).one()
+    if chunks:
+        s.execute(delete(MetricChunk).where(*where))
+    return int(chunks), int(points)
 
 
 def discard_after(s: Session, run_id: int, rank: int, step: int) -> None:

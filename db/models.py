@@ -56,6 +56,8 @@ class Run(Base):
     # RunConfig.what and .resolved_backend, kept as columns: the Runs page filters by them in SQL.
     trains: Mapped[str] = mapped_column(String(200), default="", index=True)
     backend: Mapped[str] = mapped_column(String(20), default="")
+    # Raw points before this step were compacted away (db/retention.py); their rollups remain.
+    raw_kept_from: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class QueueLock(Base):

@@ -373,6 +373,35 @@ def cmd_logs(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compact(engine: Engine, args: argparse.Namespace) -> int:
+    from ddpdash.db.retention import compact_run
+    from ddpdash.trainer.config import ConfigInvalid, RunConfig
+
+    if min(args.keep_steps or 0, args.keep_days or 0) < 0:
+        raise CliError("--keep-steps and --keep-days must not be negative")
+    with Session(engine) as s:
+        ids = args.run or [r.id for r in list_runs(s)]
+        runs = [get_run(s, i) for i in ids]
+    own = args.keep_steps is None and args.keep_days is None  # each run's own keep_raw_steps
+    for run in runs:
+        keep_steps, keep_days = args.keep_steps, args.keep_days
+        if own:
+            try:
+                keep_steps = RunConfig.from_dict(run.config).keep_raw_steps or None
+            except ConfigInvalid:
+                keep_steps = None
+            if keep_steps is None:
+                print(f"run {run.id}: keeps every raw point (its keep_raw_steps is 0)")
+                continue
+        with Session(engine) as s, s.begin():
+            print(compact_run(s, run.id, keep_steps=keep_steps, keep_days=keep_days).text())
+    if args.vacuum and engine.dialect.name == "sqlite":
+        with engine.connect() as conn:
+            conn.exec_driver_sql("VACUUM")  # SQLite reuses freed pages; VACUUM gives them back to the disk
+        print("database file shrunk (VACUUM)")
+    return 0
+
+
 def cmd_export(engine: Engine, args: argparse.Namespace) -> int:
     with Session(engine) as s:
         get_run(s, args.run)
@@ -473,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=EXPORT_FORMATS, default="csv")
     export.add_argument("--output", "-o", help="write to this file instead of standard output")
     export.add_argument("--force", action="store_true", help="replace --output if it exists")
+    compact = sub.add_parser("compact", help="remove old raw points of long runs, keeping their rollups (min, max, "
+                                             "mean per bucket): by each run's keep_raw_steps, or the flags")
+    compact.add_argument("run", type=int, metavar="RUN", nargs="*", help="runs to compact [every run]")
+    compact.add_argument("--keep-steps", type=int, help="keep the raw points of the newest N steps")
+    compact.add_argument("--keep-days", type=float, help="keep the raw points of the last D days")
+    compact.add_argument("--vacuum", action="store_true", help="SQLite: give the freed space back to the disk")
     ui = sub.add_parser("ui", help="start the dashboard")
     # A string default goes through `type` too: a bad PORT is refused like a bad --port.
     ui.add_argument("--port", type=port_number, default=os.environ.get("PORT", "8501"), help="[$PORT or 8501]")
@@ -482,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"launch": cmd_launch, "runs": cmd_runs, "show": cmd_show, "stop": cmd_stop, "logs": cmd_logs,
             "export": cmd_export, "sweep": cmd_sweep, "queue": cmd_queue, "stacks": cmd_stacks,
-            "profile": cmd_profile}
+            "profile": cmd_profile, "compact": cmd_compact}
 
 
 def main(argv: list[str] | None = None) -> int:

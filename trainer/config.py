@@ -115,6 +115,10 @@ class RunConfig:
     webhook: str = _f("", "A URL that gets a JSON POST when the run succeeds, fails, is lost or hangs, and on a "
                           "desync, a non-finite loss or a straggler (Slack and Mattermost show its text as is); "
                           "empty: DDPDASH_WEBHOOK_URL, if set.", "Diagnostics")
+    keep_raw_steps: int = _f(0, "Keep raw points for the newest N steps only (0: all). Older steps live on as "
+                                "rollups (each bucket's min, max and mean): a long run's database stops "
+                                "growing. Applied as the run trains and by `ddpdash compact`.", "Storage",
+                             min=0, max=MAX_STEPS)
     memory_check: bool = _f(True, "Refuse a run whose memory estimate exceeds what this machine (or GPU) has free.",
                             "Advanced DDP")
     script: str = _f("", "Your own torchrun script (a .py file) instead of a built-in model; it logs with "

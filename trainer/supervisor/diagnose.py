@@ -7,7 +7,9 @@ supervise loop's): every few seconds it judges the ranks from their stored metri
   again only when another rank becomes it);
 
 and every alert-worthy event of the run (trainer/alerts.py: the outcome, hung, desync, non-finite,
-straggler) is posted to the run's webhook. Runs in the supervisor; works with no browser open.
+straggler) is posted to the run's webhook. Where the run keeps raw points for its newest steps only
+(RunConfig.keep_raw_steps), it compacts the older ones every few minutes and at the end (db/retention.py).
+Runs in the supervisor; works with no browser open.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from ddpdash.db.queries import events, metric_series
+from ddpdash.db.retention import compact_run
 from ddpdash.db.runs import add_event, events_after
 from ddpdash.db.vocab import EventKind, Metric
 
@@ -32,6 +35,7 @@ log = logging.getLogger(__name__)
 CHECK_EVERY_S = 3.0
 POINTS = 400  # per rank: enough to know each rank's pace and its newest steps
 ALERT_DRAIN_S = 60.0  # how long the ended supervisor waits to deliver what is left (retries included)
+COMPACT_EVERY_S = 300.0
 
 
 class Diagnose:
@@ -46,6 +50,7 @@ class Diagnose:
         self.hang_reported: float | None = None  # the start of the hang last reported
         self.straggler_seen: int | None = None  # named at the last check
         self.straggler_reported: int | None = None
+        self.compacted_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ddpdash-diagnose", daemon=True)
 
@@ -57,6 +62,7 @@ class Diagnose:
         """The run has ended (its outcome recorded): post what is left, then stop."""
         self._stop.set()
         self._thread.join(30.0)
+        self._compact()
         if self.notifier is not None:
             self._post_new_alerts()
             self.notifier.close(ALERT_DRAIN_S)
@@ -77,6 +83,20 @@ class Diagnose:
         self._straggler(step_times)
         if self.notifier is not None:
             self._post_new_alerts()
+        if time.monotonic() - self.compacted_at >= COMPACT_EVERY_S:
+            self._compact()
+
+    def _compact(self) -> None:
+        self.compacted_at = time.monotonic()
+        if not self.cfg.keep_raw_steps:
+            return
+        try:
+            with Session(self.engine) as s, s.begin():
+                done = compact_run(s, self.run_id, keep_steps=self.cfg.keep_raw_steps)
+            if done.chunks:
+                log.info("%s", done.text())
+        except Exception:  # the next round tries again; training never waits for it
+            log.exception("compaction failed")
 
     def _hang(self, loss: object, now: float) -> None:
         stalled = health.stalled_ranks(loss, now, self.cfg.hang_after_s)  # type: ignore[arg-type]
