@@ -15,10 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import (
     api_cost,
     chart_query,
+    compare_many,
     ingest,
     launch_latency,
     live_refresh,
     logging_overhead,
+    long_run,
     recipe_check,
     runs_page,
     stacks_capture,
@@ -26,8 +28,8 @@ from bench import (
 )
 from bench.common import Result, machine, mode, parser, print_results
 
-BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, trainer_vs_plain, launch_latency,
-              recipe_check, runs_page, stacks_capture)
+BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, compare_many, long_run, trainer_vs_plain,
+              launch_latency, recipe_check, runs_page, stacks_capture)
 
 
 def main() -> None:

@@ -277,3 +277,25 @@ def test_a_restarted_scripts_steps_replace_what_the_failed_attempt_stored(engine
         df = metric_series(s, run_id, "loss", max_points=10_000)
     assert df["step"].tolist() == list(range(1, 9))
     assert df["value"].tolist() == [1.0] * 5 + [-1.0] * 3
+
+
+def test_consecutive_steps_are_not_stored_and_other_steps_are(engine: Engine) -> None:
+    from ddpdash.db.models import MetricChunk
+
+    run_id = make_run(engine)
+    w = direct_logger(engine, run_id, 0, send_interval_s=3600)
+    for step in range(1, 101):
+        w.log(step, {"loss": 1.0 / step, "acc": 0.5})
+    w.flush()
+    for step in (110, 120, 125):  # log_every > 1, or a gap: the steps themselves are stored
+        w.log(step, {"loss": 0.001})
+    w.close(status="done")
+    with Session(engine) as s:
+        chunks = s.execute(select(MetricChunk.step_min, MetricChunk.count, MetricChunk.step_data,
+                                  MetricChunk.value_data).order_by(MetricChunk.id)).all()
+        every = all_points(s, run_id)
+    assert [(lo, n, len(steps)) for lo, n, steps, _ in chunks] == [(1, 100, 0), (1, 100, 0), (110, 3, 24)]
+    assert all(len(values) == 8 * n for _, n, _, values in chunks)  # 8 bytes a value; and 8 its time
+    loss = every[every["metric"] == "loss"]
+    assert loss["step"].tolist() == [*range(1, 101), 110, 120, 125]
+    assert loss["value"].iloc[9] == pytest.approx(0.1)
