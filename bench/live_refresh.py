@@ -68,7 +68,7 @@ def measure_one(ranks: int, steps: int, repeats: int, tick_target: float, first_
         ticks: dict[bool, list[float]] = {v: [] for v in variants}
         for i in range(repeats):
             for every_rank in (variants if i % 2 == 0 else variants[::-1]):  # interleaved, order alternating
-                cache = livedata.SeriesCache(run_id)
+                cache = livedata.SeriesCache(run_id, livedata.point_budget(ranks))
                 t = time.perf_counter()
                 refresh(engine, cache, run_id, every_rank)
                 first[every_rank].append(time.perf_counter() - t)

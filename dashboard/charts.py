@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 
 MEAN_LABEL = "mean of ranks"
-MAX_RANK_LINES = 8  # more ranks than this: their mean, a band (min–max over every rank), and the ranks picked
-BAND_LABEL = "min–max of all ranks"
+MAX_RANK_LINES = 8  # more ranks than this: their mean, the band of every rank (its edges), and the ranks picked
+LOW_LABEL, HIGH_LABEL = "min of all ranks", "max of all ranks"
 TOTAL_LABEL = "total"
 CHART_HEIGHT = 260
 # Zoom and pan along steps: one parameter, made once and added to every chart (a chart has one, so
@@ -71,31 +71,25 @@ def per_rank_with_aggregate(df: pd.DataFrame, how: str, label: str, smoothing: f
 
 
 def rank_band(df: pd.DataFrame) -> pd.DataFrame:
-    """Per step, the lowest and highest value of any rank [step, lo, hi]: many ranks drawn as one band."""
+    """Per step, the lowest and the highest value of any rank, as two series of the long frame [series,
+    kind, step, value]: many ranks drawn as the edges of their band (one chart, no layer: a layered chart
+    costs Altair twice the time on every refresh)."""
     if df.empty:
-        return pd.DataFrame(columns=["step", "lo", "hi"])
-    by_step = df.groupby("step")["value"]
-    return pd.DataFrame({"lo": by_step.min(), "hi": by_step.max()}).reset_index()
+        return pd.DataFrame(columns=["series", "kind", "step", "value"])
+    by_step = df.groupby("step", sort=True)["value"]
+    steps = by_step.min().index.to_numpy()
+    return pd.DataFrame({"series": np.repeat([LOW_LABEL, HIGH_LABEL], len(steps)).astype(object),
+                         "kind": "all ranks", "step": np.tile(steps, 2),
+                         "value": np.concatenate([by_step.min().to_numpy(), by_step.max().to_numpy()])})
 
 
-def _banded(line: alt.Chart, df: pd.DataFrame, ranks: Sequence[int] | None, title: str,
-            log_scale: bool = False) -> alt.Chart | alt.LayerChart:
-    """`line` as it is for a few ranks; for many (`ranks` picked), over the band of every rank's values."""
-    if ranks is None:
-        return line.add_params(ZOOM).properties(title=title)
-    band = rank_band(df).assign(series=BAND_LABEL)
-    if log_scale:
-        band = band[band["lo"] > 0]
-    scale = alt.Scale(type="log") if log_scale else alt.Scale(zero=False)
-    area = alt.Chart(band).mark_area(opacity=0.18, color="gray").encode(
-        x="step:Q", y=alt.Y("lo:Q", scale=scale), y2="hi:Q",
-        tooltip=[alt.Tooltip("step:Q"), alt.Tooltip("lo:Q", format=".4g", title="lowest rank"),
-                 alt.Tooltip("hi:Q", format=".4g", title="highest rank")])
-    return alt.layer(area, line).add_params(ZOOM).properties(title=title)
+def _with_band(data: pd.DataFrame, df: pd.DataFrame, ranks: Sequence[int] | None) -> pd.DataFrame:
+    """The lines to draw, and for many ranks (`ranks` picked) the edges of every rank's band."""
+    return data if ranks is None or df.empty else pd.concat([data, rank_band(df)], ignore_index=True)
 
 
 def _line(data: pd.DataFrame, y_title: str, log_scale: bool = False, x: str = "step",
-          x_title: str = "step", zoom: bool = True) -> alt.Chart:
+          x_title: str = "step") -> alt.Chart:
     scale = alt.Scale(type="log") if log_scale else alt.Scale(zero=False)
     chart = (
         alt.Chart(data, height=CHART_HEIGHT)
@@ -110,24 +104,23 @@ def _line(data: pd.DataFrame, y_title: str, log_scale: bool = False, x: str = "s
                      alt.Tooltip("value:Q", format=".4g")],
         )
     )
-    return chart.add_params(ZOOM) if zoom else chart
+    return chart.add_params(ZOOM)
 
 
 def loss_chart(df: pd.DataFrame, smoothing: float = 0.0, log_scale: bool = False,
-               ranks: Sequence[int] | None = None) -> alt.Chart | alt.LayerChart:
-    """Loss per rank and the mean across ranks; with `ranks` (many ranks), those ranks' lines only, over the
-    band of every rank's."""
-    data = per_rank_with_aggregate(df, "mean", MEAN_LABEL, smoothing, only=ranks)
+               ranks: Sequence[int] | None = None) -> alt.Chart:
+    """Loss per rank and the mean across ranks; with `ranks` (many ranks), those ranks' lines only, and the
+    lowest and highest of every rank at each step."""
+    data = _with_band(per_rank_with_aggregate(df, "mean", MEAN_LABEL, smoothing, only=ranks), df, ranks)
     if log_scale:
         data = data[data["value"] > 0]
-    return _banded(_line(data, "loss", log_scale, zoom=False), df, ranks, "Loss", log_scale)
+    return _line(data, "loss", log_scale).properties(title="Loss")
 
 
-def throughput_chart(df: pd.DataFrame, unit: str = "samples/s",
-                     ranks: Sequence[int] | None = None) -> alt.Chart | alt.LayerChart:
-    """Throughput per rank (or the `ranks` picked, over every rank's band) and in total."""
-    data = per_rank_with_aggregate(df, "sum", TOTAL_LABEL, only=ranks)
-    return _banded(_line(data, unit, zoom=False), df, ranks, f"Throughput ({unit})")
+def throughput_chart(df: pd.DataFrame, unit: str = "samples/s", ranks: Sequence[int] | None = None) -> alt.Chart:
+    """Throughput per rank (or the `ranks` picked, with every rank's lowest and highest) and in total."""
+    data = _with_band(per_rank_with_aggregate(df, "sum", TOTAL_LABEL, only=ranks), df, ranks)
+    return _line(data, unit).properties(title=f"Throughput ({unit})")
 
 
 def timing_chart(step_time: pd.DataFrame, data_time: pd.DataFrame,

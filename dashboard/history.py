@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 from sqlalchemy.orm import Session
 
@@ -117,11 +118,19 @@ class Comparison:
         return None if value is None or pd.isna(value) else float(value)
 
 
+# Points read for a comparison, over every run's every rank: 2,000 a line for a few, fewer for many (10 runs of
+# 8 ranks: 500 each), so Compare costs the same whatever it is asked to show.
+COMPARE_POINTS = 40_000
+COMPARE_MIN_POINTS = 250
+
+
 def load_comparison(s: Session, run_ids: list[int], budget: int = 2000) -> Comparison:
     runs = [get_run(s, i) for i in run_ids[:MAX_COMPARE]]
     comp = Comparison(runs, summaries=run_metric_summaries(s, [r.id for r in runs]).set_index("run_id"))
+    lines = sum(r.world_size for r in runs) or 1
+    per_rank = max(COMPARE_MIN_POINTS, min(budget, COMPARE_POINTS // lines))
     for r in runs:
-        comp.loss[r.id] = metric_series(s, r.id, Metric.LOSS, max_points=budget)
+        comp.loss[r.id] = metric_series(s, r.id, Metric.LOSS, max_points=per_rank)
     return comp
 
 
@@ -157,13 +166,28 @@ def overlay_frame(comp: Comparison, x_axis: str = "step", per_rank: bool = False
             part = df.assign(series=df["rank"].map(lambda k, r=run: f"{run_label(r)} · rank {int(k)}"),
                              lo=df["vmin"], hi=df["vmax"])
         else:
-            part = df.groupby("step", as_index=False).agg(x=("x", "mean"), value=("value", "mean"),
-                                                          lo=("vmin", "min"), hi=("vmax", "max"))
-            part = part.assign(series=run_label(run), rank=-1)
+            part = mean_over_ranks(df).assign(series=run_label(run), rank=-1)
         frames.append(part.assign(run_id=run.id)[["series", "run_id", "rank", "x", "value", "lo", "hi"]])
     if not frames:
         return pd.DataFrame(columns=["series", "run_id", "rank", "x", "value", "lo", "hi"])
     return pd.concat(frames, ignore_index=True)
+
+
+def mean_over_ranks(df: pd.DataFrame) -> pd.DataFrame:
+    """Per step: x and value averaged over the ranks, lo the lowest vmin and hi the highest vmax [step, x,
+    value, lo, hi]; a rank's NaN (a diverged loss) left out, as pandas would. In numpy: Compare runs it for
+    every run on every draw."""
+    steps, at = np.unique(df["step"].to_numpy(), return_inverse=True)
+    value, x = df["value"].to_numpy(dtype=float), df["x"].to_numpy(dtype=float)
+    known = ~np.isnan(value)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.bincount(at, weights=np.where(known, value, 0.0), minlength=len(steps)) / np.bincount(
+            at, weights=known, minlength=len(steps))
+    lo, hi = np.full(len(steps), np.nan), np.full(len(steps), np.nan)
+    np.fmin.at(lo, at, df["vmin"].to_numpy(dtype=float))  # fmin/fmax: a NaN loses to any number
+    np.fmax.at(hi, at, df["vmax"].to_numpy(dtype=float))
+    return pd.DataFrame({"step": steps, "x": np.bincount(at, weights=x, minlength=len(steps)) / np.bincount(at),
+                         "value": mean, "lo": lo, "hi": hi})
 
 
 def _global_batch(run: RunInfo) -> int | None:

@@ -21,6 +21,16 @@ LIVE_METRICS = Metric.LIVE
 STALE_HEARTBEAT_S = 15.0
 
 
+# Points per metric over every rank: a line of DEFAULT_POINT_BUDGET points each for up to 16 ranks, fewer
+# past that (64 ranks: 250 each), so a refresh reads and draws the same whatever the world size.
+TOTAL_POINT_BUDGET = 16_000
+MIN_POINTS_PER_RANK = 200
+
+
+def point_budget(world_size: int) -> int:
+    return max(MIN_POINTS_PER_RANK, min(DEFAULT_POINT_BUDGET, TOTAL_POINT_BUDGET // max(world_size, 1)))
+
+
 @dataclass
 class SeriesCache:
     """The points a Live view already holds; each refresh fetches only points after the last step,

@@ -105,12 +105,11 @@ def test_many_ranks_are_a_band_their_mean_and_the_ranks_picked() -> None:
     assert livedata.drawn_ranks(64, [5, 2], df) == [2, 5]  # the user's pick wins
     assert livedata.drawn_ranks(charts.MAX_RANK_LINES, [], df) is None  # a few ranks: every one a line
     spec = charts.loss_chart(df, ranks=[2, 5]).to_dict()
-    area, line = spec["layer"]
-    assert area["mark"]["type"] == "area" and line["mark"]["type"] == "line"
-    lines = pd.DataFrame(spec["datasets"][line["data"]["name"]])
-    assert sorted(lines["series"].unique()) == ["mean of ranks", "rank 2", "rank 5"]
+    lines = pd.DataFrame(next(iter(spec["datasets"].values())))
+    assert sorted(lines["series"].unique()) == ["max of all ranks", "mean of ranks", "min of all ranks", "rank 2",
+                                                "rank 5"]
     mean = lines[lines["series"] == "mean of ranks"].sort_values("step")["value"]
     assert mean.iloc[0] == pytest.approx(1 + 63 / 2 + 50 / 64)  # the mean is of every rank, not the drawn ones
-    band = pd.DataFrame(spec["datasets"][area["data"]["name"]])
-    assert band["hi"].max() == pytest.approx(40 + 17 + 50) and band["lo"].min() == 1
+    assert lines.loc[lines["series"] == "max of all ranks", "value"].max() == pytest.approx(40 + 17 + 50)
+    assert lines.loc[lines["series"] == "min of all ranks", "value"].min() == 1
     assert spec["title"] == "Loss"

@@ -48,11 +48,11 @@ def render() -> None:
         st.info("No runs yet. Configure one and launch it: it will show up here, every rank, live.")
         st.page_link(nav.page("new"), label="New run", icon=":material/rocket_launch:")
         return
-    if st.session_state.get("_live_cache_run") != run_id:
-        st.session_state["_live_cache"] = livedata.SeriesCache(run_id)
-        st.session_state["_live_cache_run"] = run_id
     with Session(state.engine()) as s:
         run = get_run(s, run_id)
+    if st.session_state.get("_live_cache_run") != run_id:
+        st.session_state["_live_cache"] = livedata.SeriesCache(run_id, livedata.point_budget(run.world_size))
+        st.session_state["_live_cache_run"] = run_id
     c1, c2 = st.columns([3, 1])
     smoothing = c1.slider("Smoothing", 0.0, 0.99, 0.0, 0.01, help="Exponential moving average of the loss.")
     log_scale = c2.toggle("Log scale", value=False)
