@@ -41,6 +41,7 @@ def ddpdash_log() -> Callable[[int], None]:
     run.settings, run.next_step, run.warned, run.failed, run.closed = api.RunSettings(), 0, set(), False, True
     run.engine, run.stop_requested, run.last_samples_at = None, False, time.perf_counter()
     run.phases, run.comm, run.profile, run.run_dir, run.nonfinite_reported = {}, None, None, None, False
+    run.timed = run.profiling = False
     run.last_log_at = time.perf_counter()
     run.logger = RankLogger(KeepNothing(), 0, send_interval_s=3600.0)
     api._current = run

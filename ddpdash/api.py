@@ -92,7 +92,9 @@ class _Run:
         self.nonfinite_reported = False
         self.phases: dict[str, float] = {}  # seconds per phase since the last log()
         self.comm: Any = None  # trainer.phases.CommSampler of the watched DDP model
+        self.timed = False  # phase() or watch() was used: log() adds their figures
         self.profile: Any = None  # trainer.profiling.ProfileHook, for a launched run
+        self.profiling = False  # a profile asked for or under way: log() ticks it (one flag on log()'s path)
         self.run_dir: Any = None
         if self.settings.enabled:
             self.logger, run_id, self.engine = _open_logger(self.settings)
@@ -112,7 +114,13 @@ class _Run:
 
         self.run_dir = RunDir(Path(folder))
         requests = RankRequests(self.run_dir, self.settings.rank, flight_recorder.dump)
-        self.logger.on_tick = requests.poll
+
+        def poll() -> None:
+            requests.poll()
+            if requests.profile is not None:
+                self.profiling = True
+
+        self.logger.on_tick = poll
         self.profile = ProfileHook(requests, self.settings.rank, "cuda" if _uses_cuda() else "cpu", self.logger.event)
 
     def _install_handlers(self) -> None:
@@ -165,6 +173,11 @@ class _Run:
                 self.logger.event(EventKind.NONFINITE,
                                   f"rank {self.settings.rank}: non-finite {key} ({number}) at step {step}")
         return out
+
+    def profile_tick(self, step: int) -> None:
+        self.profile.tick(step)
+        if self.profile.profiler is None and self.profile.requests.profile is None:
+            self.profiling = False
 
     def extras(self, now: float, steps: int) -> dict[str, float]:
         """What log() adds of its own: the phases timed since the last call and DDP's newest sample, per step."""
@@ -225,22 +238,22 @@ def log(values: Mapping[str, Any], step: int | None = None, samples: int | None 
         return
     if step is None:
         step = run.next_step
-    steps, run.next_step = step + 1 - run.next_step, step + 1
+    if run.timed:  # phases timed, or a DDP model watched: their figures per step since the last call
+        values = {**values, **run.extras(time.perf_counter(), step + 1 - run.next_step)}
+    run.next_step = step + 1
     for value in values.values():
         # The usual case costs a type check and a subtraction: x - x is 0.0 (false) for a finite float.
         if type(value) is not float or value - value:
             values = run.clean(values, step)
             break
-    if run.phases or run.comm is not None:
-        values = {**values, **run.extras(time.perf_counter(), steps)}
     if samples is not None:
         now = time.perf_counter()
         elapsed, run.last_samples_at = now - run.last_samples_at, now
         if elapsed > 0:
             values = {**values, SAMPLES_PER_S: samples / elapsed}
     logger.log(step, values)
-    if run.profile is not None and (run.profile.profiler is not None or run.profile.requests.profile is not None):
-        run.profile.tick(step)
+    if run.profiling:  # a profile was asked for (set by the logger's thread) or is under way
+        run.profile_tick(step)
 
 
 class phase:  # lower case: used as a context manager, named like one
@@ -260,6 +273,7 @@ class phase:  # lower case: used as a context manager, named like one
     def __exit__(self, *exc: object) -> None:
         run = _current or _run()
         run.phases[self.name] = run.phases.get(self.name, 0.0) + time.perf_counter() - self.started
+        run.timed = True
 
 
 def watch(ddp_model: Any) -> Any:
@@ -272,6 +286,7 @@ def watch(ddp_model: Any) -> Any:
     if run.logger is not None:
         start_sampling(ddp_model, sample_every(1, 1))
         run.comm = CommSampler(ddp_model, sample_steps(1))
+        run.timed = True
     return ddp_model
 
 

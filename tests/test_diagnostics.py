@@ -126,6 +126,20 @@ def test_a_profile_of_the_next_steps_from_the_cli_and_on_the_page(engine: Engine
     stop(engine, run_id)
 
 
+def test_a_scripts_ranks_are_profiled_over_their_next_log_calls(engine: Engine, tmp_path: Path) -> None:
+    path = script(tmp_path, body="""
+        time.sleep(0.02)
+        ddpdash.log({"loss": loss.item()}, step=step)
+    """, steps=3000)
+    run_id = launch(engine, RunConfig(script=str(path), num_procs=2), CPU_MACHINE)
+    wait_for(lambda: len(_loss(engine, run_id)) >= 10, 90)
+    out = subprocess.run([sys.executable, "-m", "ddpdash.cli", "--db-url", str(engine.url), "profile", str(run_id),
+                          "--steps", "2", "--timeout", "60"], capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "-- rank 0: steps " in out.stdout and "-- rank 1: steps " in out.stdout
+    stop(engine, run_id)
+
+
 def _loss(engine: Engine, run_id: int):  # type: ignore[no-untyped-def]
     with Session(engine) as s:
         return metric_series(s, run_id, Metric.LOSS)
