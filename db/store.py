@@ -123,8 +123,27 @@ def register_rank(s: Session, run_id: int, rank: int, *, device: str, attempt: i
     else:
         s.execute(insert(RankState), [{"run_id": run_id, "rank": rank, "step": 0, **state}])
     if resume_after_step is None:
-        return RankCursor(run_id, rank)
+        # A rank that wrote before (its supervisor gone, it now writes itself) goes on from its last buckets:
+        # an empty cursor would overwrite each of them with the new points alone.
+        return RankCursor(run_id, rank, open_buckets_of(s, run_id, rank)) if exists else RankCursor(run_id, rank)
     return discard_after_step(s, RankCursor(run_id, rank), resume_after_step)
+
+
+def open_buckets_of(s: Session, run_id: int, rank: int) -> dict[str, dict[int, Bucket]]:
+    """The rank's newest rollup bucket of each metric and width, as its writer left them."""
+    r = MetricRollup
+    newest = (select(r.name, r.width, func.max(r.bucket).label("bucket"))
+              .where(r.run_id == run_id, r.rank == rank).group_by(r.name, r.width).subquery())
+    rows = s.execute(
+        select(r.name, r.width, r.bucket, r.step_min, r.step_max, r.vmin, r.vmax, r.vsum, r.count, r.time_max,
+               r.vlast)
+        .join(newest, (r.name == newest.c.name) & (r.width == newest.c.width) & (r.bucket == newest.c.bucket))
+        .where(r.run_id == run_id, r.rank == rank)
+    ).all()
+    out: dict[str, dict[int, Bucket]] = {}
+    for name, width, *bucket in rows:
+        out.setdefault(name, {})[int(width)] = Bucket(*bucket)
+    return out
 
 
 def discard_after_step(s: Session, cursor: RankCursor, step: int) -> RankCursor:

@@ -299,3 +299,23 @@ def test_consecutive_steps_are_not_stored_and_other_steps_are(engine: Engine) ->
     loss = every[every["metric"] == "loss"]
     assert loss["step"].tolist() == [*range(1, 101), 110, 120, 125]
     assert loss["value"].iloc[9] == pytest.approx(0.1)
+
+
+def test_a_rank_that_writes_again_goes_on_from_its_buckets(engine: Engine) -> None:
+    """A second writer for a rank (its supervisor gone, the rank writes itself) must extend the rollup buckets
+    still filling, not overwrite them with its own points alone."""
+    run_id = make_run(engine)
+    first = direct_logger(engine, run_id, 0, send_interval_s=3600)
+    for step in range(1, 101):
+        first.log(step, {"loss": 1.0})
+    first.close(status="running")
+    second = direct_logger(engine, run_id, 0, send_interval_s=3600)
+    for step in range(101, 111):
+        second.log(step, {"loss": 3.0})
+    second.close(status="done")
+    with Session(engine) as s:
+        whole = s.execute(select(MetricRollup.step_min, MetricRollup.count, MetricRollup.vsum).where(
+            MetricRollup.run_id == run_id, MetricRollup.width == ROLLUP_WIDTHS[-1])).one()
+        series = metric_series(s, run_id, "loss", max_points=5)
+    assert tuple(whole) == (1, 110, 100 * 1.0 + 10 * 3.0)
+    assert series["count"].sum() == 110 and series["step"].min() < 100
