@@ -99,9 +99,10 @@ def format_duration(seconds: float | None) -> str:
 
 
 def _last_per_rank(df: pd.DataFrame) -> pd.Series:
+    """Each rank's newest value (the frame in (rank, step) order, as the cache keeps it)."""
     if df.empty:
         return pd.Series(dtype=float)
-    return df.sort_values("step").groupby("rank")["value"].last()
+    return df.groupby("rank")["value"].last()
 
 
 def hang_began(cache: SeriesCache, run: RunInfo, now: float | None = None) -> float | None:
@@ -189,7 +190,7 @@ def step_breakdown(cache: SeriesCache, window: int = BREAKDOWN_WINDOW) -> pd.Dat
 def _recent_median(df: pd.DataFrame, window: int) -> pd.Series:
     if df.empty:
         return pd.Series(dtype=float)
-    return df.sort_values("step").groupby("rank").tail(window).groupby("rank")["value"].median()
+    return df.groupby("rank").tail(window).groupby("rank")["value"].median()  # (rank, step) order: no sort
 
 
 OUTLIER_RANKS = 3

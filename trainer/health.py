@@ -1,6 +1,8 @@
 """How a run's ranks are doing, judged from their stored metrics: a rank that stopped stepping (hung), and
 the rank the others wait for (the straggler). Pure functions of metric frames (db.queries.metric_series);
 the Live page, `ddpdash show` and the supervisor's watch (trainer/supervisor/diagnose.py) all judge by these.
+Frames come in (rank, step) order, as metric_series and the Live page's cache give them: nothing here sorts
+(at 64 ranks the sorts were most of a refresh).
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ Quiet = tuple[float, float]  # seconds since a rank's newest point, its usual in
 
 def quiet_per_rank(points: pd.DataFrame, now: float) -> dict[int, Quiet]:
     """Per rank of a metric's points (its loss): how long since its newest point, and its usual interval."""
-    out: dict[int, Quiet] = {}
-    for rank, rows in points.groupby("rank"):
-        count = int(rows["count"].sum())
-        if count < 3:
-            continue  # too few points to know its pace
-        first, last = float(rows["time"].min()), float(rows["time"].max())
-        out[int(rank)] = (now - last, (last - first) / (count - 1))
-    return out
+    if points.empty:
+        return {}
+    per_rank = points.groupby("rank", sort=False).agg(count=("count", "sum"), first=("time", "min"),
+                                                       last=("time", "max"))
+    known = per_rank[per_rank["count"] >= 3]  # fewer points than that: its pace is not known yet
+    return {int(rank): (now - row.last, (row.last - row.first) / (row.count - 1))
+            for rank, row in zip(known.index, known.itertuples(index=False), strict=True)}
 
 
 def stalled(quiet: Quiet | None, after_s: float = HANG_AFTER_S) -> bool:
@@ -78,8 +79,7 @@ def find_straggler(step_times: pd.DataFrame, window: int = STRAGGLER_WINDOW) -> 
     None for a healthy run, or with fewer than two ranks."""
     if step_times.empty:
         return None
-    recent = step_times.sort_values("step").groupby("rank").tail(window)
-    medians = recent.groupby("rank")["value"].median().dropna()
+    medians = step_times.groupby("rank").tail(window).groupby("rank")["value"].median().dropna()
     if len(medians) < 2:
         return None
     rank = int(medians.idxmin())
