@@ -279,6 +279,9 @@ def spawn_torchrun(cfg: RunConfig, run_dir: RunDir, run_id: int, db_url: str,
                    relay_env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Called by the supervisor. torchrun stays in the supervisor's session; its workers get their own.
     `relay_env` tells the ranks where the supervisor takes their metrics (trainer/relay.py)."""
+    from .flight_recorder import TIMEOUT_DUMP
+
+    run_dir.flight_recorder(TIMEOUT_DUMP).mkdir(parents=True, exist_ok=True)  # NCCL's watchdog writes, not makes, it
     with open(run_dir.torchrun_log, "ab") as out:
         return subprocess.Popen(
             torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

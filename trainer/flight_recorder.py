@@ -27,12 +27,13 @@ from typing import Any
 BUFFER_ENTRIES = "2000"  # collectives each rank remembers; a few hundred bytes each, recorded as they are issued
 ANALYSER_MODULE = "ddpdash.trainer.flight_recorder"
 FAILURE_DUMP = "failure"  # RunDir.flight_recorder's folder for the dumps of ranks that raised
+TIMEOUT_DUMP = "timeout"  # and for NCCL's watchdog's, on a collective's timeout
 DUMP_PREFIX = "rank_"  # torch's analyser takes the rank from the file name after this
 
 
 def rank_env(run_dir_path: Path) -> dict[str, str]:
     """The settings that turn the buffer on in every rank (the user's own, where set, win)."""
-    timeout_folder = run_dir_path / "flight_recorder" / "timeout"
+    timeout_folder = run_dir_path / "flight_recorder" / TIMEOUT_DUMP
     return {"TORCH_FR_BUFFER_SIZE": BUFFER_ENTRIES, "TORCH_NCCL_TRACE_BUFFER_SIZE": BUFFER_ENTRIES,
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": str(timeout_folder / DUMP_PREFIX)}
 
