@@ -82,8 +82,8 @@ def metric_series(
         return pd.DataFrame(columns=SERIES_COLUMNS)
     lo = max(span[0], after_step + 1)
     needed = math.ceil((span[1] - lo + 1) / max(max_points - 1, 1))
-    if lo < raw_kept_from(s, run_id):  # raw points of this span were compacted away: its rollups hold it
-        needed = max(needed, ROLLUP_WIDTHS[0])
+    if needed <= RAW_REGROUP_MAX_WIDTH and lo < raw_kept_from(s, run_id):
+        needed = ROLLUP_WIDTHS[0]  # the span's raw points were compacted away: its rollups hold it
     if needed <= 1:
         return _raw_points(s, run_id, name, after_step)
     if needed <= RAW_REGROUP_MAX_WIDTH:

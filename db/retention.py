@@ -53,7 +53,7 @@ def compact_run(s: Session, run_id: int, *, keep_steps: int | None = None, keep_
             MetricRollup.run_id == run_id, MetricRollup.width == ROLLUP_WIDTHS[0], MetricRollup.time_max < before))
         if older is not None:
             cuts.append(int(older) + 1)
-    kept_from = int(s.scalar(select(Run.raw_kept_from).where(Run.id == run_id)) or 0)
+    kept_from = raw_kept_from(s, run_id)
     cut = max([kept_from, *cuts])
     chunks, points = discard_before(s, run_id, cut) if cut > kept_from else (0, 0)
     if cut > kept_from:

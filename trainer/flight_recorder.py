@@ -59,6 +59,12 @@ def dump(folder: Path, rank: int) -> bool:
         return False
 
 
+def with_missing(finding: str, expected: set[int], folder: Path, why: str = "") -> str:
+    """The analyser's finding, and the ranks of `expected` that left no dump in `folder` (and why, if known)."""
+    missing = sorted(expected - set(dumped_ranks(folder)))
+    return finding + (f" (no dump from rank(s) {missing}{': ' + why if why else ''})" if missing else "")
+
+
 def dumped_ranks(folder: Path) -> list[int]:
     return sorted(int(p.name.removeprefix(DUMP_PREFIX)) for p in folder.glob(f"{DUMP_PREFIX}*")
                   if p.name.removeprefix(DUMP_PREFIX).isdigit())

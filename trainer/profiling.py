@@ -132,6 +132,12 @@ class RankProfile:
     trace: Path
     ops: list[dict[str, Any]]
 
+    @classmethod
+    def of(cls, summary: dict[str, Any]) -> RankProfile:
+        """From the summary a rank writes (its ops file, and its `profile` event's detail)."""
+        first, last = summary["steps"]
+        return cls(int(summary["rank"]), (int(first), int(last)), Path(summary["trace"]), summary["ops"])
+
 
 def ask_profile(run_dir: RunDir, steps: int) -> str:
     if not 1 <= steps <= MAX_PROFILE_STEPS:
@@ -142,8 +148,7 @@ def ask_profile(run_dir: RunDir, steps: int) -> str:
 def read_profiles(folder: Path) -> list[RankProfile]:
     out = []
     for path in sorted(folder.glob(f"rank*{OPS_SUFFIX}")):
-        data = json.loads(path.read_text())
-        out.append(RankProfile(int(data["rank"]), tuple(data["steps"]), Path(data["trace"]), data["ops"]))  # type: ignore[arg-type]
+        out.append(RankProfile.of(json.loads(path.read_text())))
     return sorted(out, key=lambda p: p.rank)
 
 
@@ -168,13 +173,9 @@ def latest_profiles(events: Any) -> list[RankProfile]:
     found = events[(events["kind"] == EventKind.PROFILE) & (events["detail"].astype(bool))]
     if found.empty:
         return []
-    newest = json.loads(found.iloc[-1]["detail"])["request"]
-    out = []
-    for detail in found["detail"]:
-        data = json.loads(detail)
-        if data["request"] == newest:
-            out.append(RankProfile(int(data["rank"]), tuple(data["steps"]), Path(data["trace"]), data["ops"]))  # type: ignore[arg-type]
-    return sorted(out, key=lambda p: p.rank)
+    summaries = [json.loads(detail) for detail in found["detail"]]
+    newest = summaries[-1]["request"]
+    return sorted((RankProfile.of(s) for s in summaries if s["request"] == newest), key=lambda p: p.rank)
 
 
 def profile_table(profile: RankProfile) -> Any:

@@ -249,19 +249,17 @@ def read_flight_recorder(run_dir: Any, request: str, ranks: set[int]) -> str:
     """The analyser's finding over the ranks' answers to `request`, once every rank in `ranks` has dumped
     (or FLIGHT_RECORDER_WAIT_S has passed)."""
     from .control import analyse_flight_recorder
-    from .flight_recorder import dumped_ranks
+    from .flight_recorder import dumped_ranks, with_missing
 
     folder = run_dir.flight_recorder(request)
     try:
         result = analyse_flight_recorder(folder, ranks, FLIGHT_RECORDER_WAIT_S)
     finally:
         withdraw(run_dir, request)
-    dumped = dumped_ranks(folder)
-    if not dumped:
+    if not dumped_ranks(folder):
         return ("no rank dumped its Flight Recorder buffer (a script's ranks answer only while they log "
                 "through ddpdash; a run without a process group has none)")
-    missing = sorted(ranks - set(dumped))
-    return result["finding"] + (f" (no dump from rank(s) {missing})" if missing else "")
+    return with_missing(result["finding"], ranks, folder)
 
 
 def latest_capture(events: Any) -> Capture | None:

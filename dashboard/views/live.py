@@ -242,12 +242,18 @@ def _profile(run: RunInfo, evs) -> None:  # type: ignore[no-untyped-def]
             st.dataframe(profile_table(prof), hide_index=True, width="stretch",
                          column_config={"share": st.column_config.NumberColumn(format="percent")})
             if prof.trace.exists():
-                st.download_button(f"Trace of rank {prof.rank}", prof.trace.read_bytes(), file_name=prof.trace.name,
+                st.download_button(f"Trace of rank {prof.rank}", prof.trace.read_bytes, file_name=prof.trace.name,
                                    mime="application/gzip", key=f"trace_{prof.trace}", icon=":material/download:")
-    breakdown = hta_breakdown(first.trace.parent)
+    breakdown = _hta_breakdown(str(first.trace.parent))
     if breakdown is not None:
         st.markdown("**Holistic Trace Analysis** — temporal breakdown per rank")
         st.dataframe(breakdown, width="stretch")
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def _hta_breakdown(folder: str):  # type: ignore[no-untyped-def]
+    """HTA reads every trace of a profile: once per profile, not on each refresh."""
+    return hta_breakdown(Path(folder))
 
 
 def _events(evs, run: RunInfo) -> None:  # type: ignore[no-untyped-def]

@@ -126,12 +126,10 @@ def flight_recorder_finding(run_dir: RunDir, world_size: int) -> str | None:
     """What the Flight Recorder dumps of the ranks that raised say (trainer/flight_recorder.py), when at least
     two ranks left one: the collective a rank never joined, or the ranks that left none. None otherwise."""
     from ..control import analyse_flight_recorder
-    from ..flight_recorder import FAILURE_DUMP, dumped_ranks
+    from ..flight_recorder import FAILURE_DUMP, dumped_ranks, with_missing
 
     folder = run_dir.flight_recorder(FAILURE_DUMP)
-    dumped = dumped_ranks(folder)
-    if len(dumped) < 2:
+    if len(dumped_ranks(folder)) < 2:
         return None  # one rank's buffer alone has nothing to compare
-    finding = analyse_flight_recorder(folder)["finding"]
-    missing = sorted(set(range(world_size)) - set(dumped))
-    return finding + (f" (rank(s) {missing} left no dump: they did not raise, or were killed first)" if missing else "")
+    return with_missing(analyse_flight_recorder(folder)["finding"], set(range(world_size)), folder,
+                        "they did not raise, or were killed first")
