@@ -23,13 +23,14 @@ from bench import (
     long_run,
     recipe_check,
     runs_page,
+    slurm_launch,
     stacks_capture,
     trainer_vs_plain,
 )
 from bench.common import Result, machine, mode, parser, print_results
 
 BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, compare_many, long_run, trainer_vs_plain,
-              launch_latency, recipe_check, runs_page, stacks_capture)
+              launch_latency, recipe_check, runs_page, stacks_capture, slurm_launch)
 
 
 def main() -> None:

@@ -28,8 +28,8 @@ from ddpdash.trainer.config import (
 from ddpdash.trainer.memory import estimate
 
 KEY_PREFIX = "cfg_"
-SECTION_ORDER = ("Run", "Devices", "Your script", "Model", "Your data", "Training", "Advanced DDP", "Diagnostics",
-                 "Storage")
+SECTION_ORDER = ("Run", "Devices", "Cluster", "Your script", "Model", "Your data", "Training", "Advanced DDP",
+                 "Diagnostics", "Storage")
 # What a script brings itself: the form hides these when one is chosen.
 MODEL_SECTION_FIELDS = {"recipe", "dataset", "width", "depth", "seq_len", "num_heads", "num_samples", "data", "target",
                         "task", "val_fraction", "image_size", "arch"}
@@ -104,7 +104,9 @@ def widget_state(cfg: RunConfig) -> dict[str, Any]:
     """Session-state values that pre-fill the form with `cfg` (used for defaults and Clone)."""
     data = {f.name: cfg.to_dict()[f.name] for f in settable_fields()}
     state = {KEY_PREFIX + name: (list(v) if isinstance(v, list) else v) for name, v in data.items()}
-    state[KEY_PREFIX + "script_args"] = "\n".join(cfg.script_args)  # text areas: one entry per line
+    for spec in field_specs():  # lists of text are text areas: one entry per line
+        if spec.kind == "str_list" and spec.name != "params":
+            state[spec.key] = "\n".join(getattr(cfg, spec.name))
     del state[KEY_PREFIX + "params"]
     state[PARAMS_ROWS_KEY] = [list(parse_param_text(entry)) for entry in cfg.params]
     state[PARAMS_EDITOR_KEY] = f"_params_{uuid.uuid4().hex[:8]}"
@@ -250,6 +252,8 @@ def visible(spec: FieldSpec, values: dict[str, Any]) -> bool:
         return spec.name in MODEL_FIELDS.get(model, set())
     if spec.name == "num_procs":
         return not values.get("devices")
+    if spec.section == "Cluster" and spec.name != "launcher":
+        return values.get("launcher") == "slurm"
     return True
 
 
@@ -313,3 +317,11 @@ def command_previews(cfg: RunConfig) -> tuple[str, str]:
     torchrun[torchrun.index("--rdzv-id") + 1] = "ddpdash-run-NNNNN"
     torchrun[-1] = "NNNNN"
     return shlex.join(cli_command(cfg)), shlex.join(torchrun)
+
+
+def job_script_preview(cfg: RunConfig) -> str:
+    """The Slurm job script a launch of `cfg` submits, with the run's id and folder yet to be given."""
+    from ddpdash.trainer.rundir import RunDir
+    from ddpdash.trainer.slurm import job_script
+
+    return job_script(cfg, "NNNNN", RunDir(Path("$DDPDASH_HOME/runs/run-NNNNN")), python="python")

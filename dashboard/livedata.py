@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
 import psutil
@@ -16,6 +17,7 @@ from ddpdash.db.queries import DEFAULT_POINT_BUDGET, SERIES_COLUMNS, metric_seri
 from ddpdash.db.runs import RunInfo
 from ddpdash.db.vocab import EventKind, Metric, RankStatus, RunStatus
 from ddpdash.trainer import health
+from ddpdash.trainer.rundir import RunDir
 
 LIVE_METRICS = Metric.LIVE
 STALE_HEARTBEAT_S = 15.0
@@ -275,3 +277,18 @@ def newest_run_id(engine: Engine) -> int | None:
             return active[0].id
         latest = list_runs(s, limit=1)
     return latest[0].id if latest else None
+
+
+def slurm_job_line(run: RunInfo) -> str:
+    """A Slurm run's job in a line: "Slurm job 12 · PENDING (Resources)" or "… · RUNNING on node[1-2]"."""
+    return f"Slurm job {run.job_id} · {run.job_state or 'state not read yet'}"
+
+
+def job_logs(run: RunInfo, folder: RunDir) -> dict[str, Path]:
+    """The logs of a Slurm run besides its ranks': Slurm's own output of the job, each node's supervisor and
+    torchrun (named as the Logs picker shows them)."""
+    if not run.job_id:
+        return {}
+    out = {f"Slurm output (slurm-{run.job_id}.out)": folder.slurm_output_of(run.job_id)}
+    out.update({path.name: path for path in folder.node_logs()})
+    return out

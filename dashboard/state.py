@@ -32,6 +32,15 @@ def machine() -> Machine:
     return detect_machine()
 
 
+@st.cache_data(ttl=60, show_spinner=False)
+def slurm_target() -> tuple[str | None, list[str]]:
+    """Why Slurm is not offered here (None: it is), and the cluster's partitions, default first."""
+    from ddpdash.trainer.control import slurm_missing, slurm_partitions
+
+    why = slurm_missing()
+    return why, [] if why else slurm_partitions()
+
+
 @st.cache_data(ttl=3, show_spinner=False)
 def _reconcile_now(url: str) -> list[int]:
     return reconcile(engine())

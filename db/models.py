@@ -58,6 +58,9 @@ class Run(Base):
     backend: Mapped[str] = mapped_column(String(20), default="")
     # Raw points before this step were compacted away (db/retention.py); their rollups remain.
     raw_kept_from: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # A Slurm run (trainer/slurm.py): its job, and what Slurm last said of it (written by reconciliation).
+    job_id: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    job_state: Mapped[str] = mapped_column(String(200), default="", server_default="")
 
 
 class QueueLock(Base):

@@ -48,6 +48,8 @@ class RunInfo:
     admitted_at: float | None = None
     sweep: str = ""
     group_name: str = ""
+    job_id: str = ""  # its Slurm job, for a Slurm run
+    job_state: str = ""
 
     @property
     def is_active(self) -> bool:
@@ -72,7 +74,7 @@ def _info(r: Run) -> RunInfo:
         supervisor_pid=r.supervisor_pid, torchrun_pid=r.torchrun_pid, worker_pids=_ints(r.worker_pids),
         exit_code=r.exit_code, failed_ranks=_ints(r.failed_ranks), error=r.error,
         tags=tuple(t for t in r.tags.split(",") if t), notes=r.notes, queue_order=r.queue_order,
-        admitted_at=r.admitted_at, sweep=r.sweep, group_name=r.group_name,
+        admitted_at=r.admitted_at, sweep=r.sweep, group_name=r.group_name, job_id=r.job_id, job_state=r.job_state,
     )
 
 

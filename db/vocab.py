@@ -52,6 +52,7 @@ class EventKind:
     RANK_FAILED = "rank_failed"  # a rank raised (its traceback in the detail)
     FAILED = "failed"  # the run failed (the root cause in the detail)
     FINISHED = "finished"
+    NODE_DONE = "node_done"  # a Slurm node's ranks finished; the run succeeds when every node's have
     EXIT_WARNING = "exit_warning"  # torchrun exited non-zero after every rank had finished
     STOP = "stop"  # a stop was requested
     STOPPED = "stopped"

@@ -92,15 +92,38 @@ class _Run:
         self.nonfinite_reported = False
         self.phases: dict[str, float] = {}  # seconds per phase since the last log()
         self.comm: Any = None  # trainer.phases.CommSampler of the watched DDP model
-        self.timed = False  # phase() or watch() was used: log() adds their figures
+        self._timed = False  # phase() or watch() was used: log() adds their figures
         self.profile: Any = None  # trainer.profiling.ProfileHook, for a launched run
-        self.profiling = False  # a profile asked for or under way: log() ticks it (one flag on log()'s path)
+        self._profiling = False  # a profile asked for or under way: log() ticks it
+        # log()'s fast path, one flag: logging, nothing timed, nothing profiled (kept by the two setters).
+        self.plain = False
+        self.append: Any = None  # the logger's log(step, values)
         self.run_dir: Any = None
         if self.settings.enabled:
             self.logger, run_id, self.engine = _open_logger(self.settings)
             self.settings = RunSettings(**{**self.settings.__dict__, "run_id": run_id})
+            self.logger.check_values = self.clean  # non-numbers and non-finite values: on the logger's thread
+            self.append, self.plain = self.logger.log, True
             self._install_handlers()
             self._answer_requests()
+
+    @property
+    def timed(self) -> bool:
+        return self._timed
+
+    @timed.setter
+    def timed(self, value: bool) -> None:
+        self._timed = value
+        self.plain = self.logger is not None and not value and not self._profiling
+
+    @property
+    def profiling(self) -> bool:
+        return self._profiling
+
+    @profiling.setter
+    def profiling(self, value: bool) -> None:
+        self._profiling = value  # set by the logger's thread when a profile is asked: log() sees it next call
+        self.plain = self.logger is not None and not value and not self._timed
 
     def _answer_requests(self) -> None:
         """A launched run's ranks answer what the dashboard asks through the run folder (trainer/requests.py)."""
@@ -229,10 +252,17 @@ def init() -> RunSettings:
 def log(values: Mapping[str, Any], step: int | None = None, samples: int | None = None) -> None:
     """Record this rank's `values` at `step` (default: one after the last). `samples` (how many this rank
     trained on since the last call) adds samples/s. An append: it returns at once, and keeps the mapping
-    it is given (pass a new one each call, as a dict literal does)."""
+    it is given (pass a new one each call, as a dict literal does). Values that are not finite numbers are
+    dropped with a warning by the logger's thread, off the step's path (_Run.clean)."""
     run = _current
-    if run is None:
-        run = _run()
+    if run is not None and run.plain and step is not None and samples is None:
+        run.next_step = step + 1  # the usual call: a step given, nothing timed or profiled
+        run.append(step, values)
+        return
+    _log_call(run or _run(), values, step, samples)
+
+
+def _log_call(run: _Run, values: Mapping[str, Any], step: int | None, samples: int | None) -> None:
     logger = run.logger
     if logger is None:
         return
@@ -241,11 +271,6 @@ def log(values: Mapping[str, Any], step: int | None = None, samples: int | None 
     if run.timed:  # phases timed, or a DDP model watched: their figures per step since the last call
         values = {**values, **run.extras(time.perf_counter(), step + 1 - run.next_step)}
     run.next_step = step + 1
-    for value in values.values():
-        # The usual case costs a type check and a subtraction: x - x is 0.0 (false) for a finite float.
-        if type(value) is not float or value - value:
-            values = run.clean(values, step)
-            break
     if samples is not None:
         now = time.perf_counter()
         elapsed, run.last_samples_at = now - run.last_samples_at, now

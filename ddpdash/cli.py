@@ -61,7 +61,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("run settings (override --config; defaults in brackets)")
     default = RunConfig()
     for f in flag_fields():
-        flags = ["--" + f.name.replace("_", "-"), *(f"--{old}" for old, new in RENAMED_KEYS.items() if new == f.name)]
+        flags = ["--" + f.name.replace("_", "-"), *(f"--{old}" for old, new in RENAMED_KEYS.items() if new == f.name),
+                 *(f"--{alias}" for alias in f.metadata.get("flag_aliases", ()))]
         kind = field_kind(f)
         help_text = f"{f.metadata['help']} [{getattr(default, f.name)!r}]".replace("%", "%%")
         if kind == "bool":
@@ -89,6 +90,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         overrides["script_args"] = list(args.script_args)
     if args.param:
         overrides["params"] = list(args.param)
+    if getattr(args, "sbatch_option", None):
+        overrides["sbatch_options"] = list(args.sbatch_option)
     return RunConfig.from_dict({**base, **overrides})
 
 
@@ -452,6 +455,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--param", action="append", metavar="KEY=VALUE",
                    help="a parameter of yours (repeatable): build(params) of your recipe, or ddpdash.init().params "
                         "in your script; typed by value")
+    p.add_argument("--sbatch-option", action="append", metavar="--KEY=VALUE", dest="sbatch_option",
+                   help="one more sbatch option for a Slurm launch (repeatable), e.g. --sbatch-option=--exclusive")
     p.add_argument("script_args", nargs="*", metavar="-- SCRIPT_ARG",
                    help="your script's own arguments, after -- (with --script or --module)")
 

@@ -140,7 +140,7 @@ def test_journey_launch_watch_and_stop(server: tuple[str, Path, str], page: Page
     choose(page, "Amp", "bf16")
     set_number(page, "Max steps", "400")
     expect(page.get_by_text("32 = 16 × 2 ranks × 1 accum")).to_be_visible(timeout=30_000)
-    page.get_by_role("button", name="Launch").click()
+    page.get_by_role("button", name="Launch", exact=True).click()
     page.wait_for_url(re.compile(r"/(live)?\?run=\d+$"))  # Live is the default page: its URL is /
     chart = page.locator("[data-testid='stVegaLiteChart'] svg").first
     expect(chart).to_be_visible(timeout=90_000)
@@ -169,7 +169,7 @@ def test_journey_bad_form_shows_the_error_and_launches_nothing(server: tuple[str
     page.goto(f"{url}/new", wait_until="domcontentloaded")
     set_number(page, "Batch size", "0")
     expect(page.get_by_text("Batch size must be ≥ 1, got 0")).to_be_visible()
-    page.get_by_role("button", name="Launch").click()
+    page.get_by_role("button", name="Launch", exact=True).click()
     expect(page.get_by_text("Nothing was launched")).to_be_visible()
     shot(page, "journey2-bad-form")
     with Session(engine) as s:

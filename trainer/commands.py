@@ -35,22 +35,22 @@ def rank_argv(run_dir: RunDir, run_id: int, python: str = sys.executable, cfg: R
 
 
 def torchrun_argv(cfg: RunConfig, run_dir: RunDir, run_id: int, python: str = sys.executable,
-                  mpi_launcher: str | None = None) -> list[str]:
-    """The exact command that starts a run's ranks: torchrun, or for the mpi backend Open MPI's mpirun
-    (`mpi_launcher`, found on the PATH when not given). The database URL travels in the environment (it
-    may hold a password, and argv is visible to every user of the machine)."""
+                  mpi_launcher: str | None = None, rendezvous: list[str] | None = None) -> list[str]:
+    """The exact command that starts a run's ranks (a Slurm node's, with that node's `rendezvous`:
+    trainer/slurm.node_torchrun_args): torchrun, or for the mpi backend Open MPI's mpirun (`mpi_launcher`,
+    found on the PATH when not given). The database URL travels in the environment (it may hold a
+    password, and argv is visible to every user of the machine)."""
     ranks = rank_argv(run_dir, run_id, python, cfg)
     if cfg.resolved_backend == "mpi":
         return mpi.mpirun_argv(cfg.world_size, run_dir.logs / mpi.LOG_FOLDER, ranks,
                                launcher=mpi_launcher or mpi.find_launcher() or "mpirun")
+    # One machine: c10d on port 0, the OS picks a free port, so two runs at once never clash.
+    one_machine = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+                   "--rdzv-id", f"ddpdash-run-{run_id}"]
     return [
         python, "-m", "torch.distributed.run",
-        "--nnodes", "1",
-        "--nproc-per-node", str(cfg.world_size),
-        # c10d on port 0: the OS picks a free port, so two runs at once never clash.
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "127.0.0.1:0",
-        "--rdzv-id", f"ddpdash-run-{run_id}",
+        *(rendezvous or one_machine),
+        "--nproc-per-node", str(cfg.ranks_per_node),
         "--max-restarts", str(cfg.max_restarts),
         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
         "--log-dir", str(run_dir.logs),
@@ -70,7 +70,7 @@ def torchrun_env(cfg: RunConfig, db_url: str, base: dict[str, str] | None = None
         env.update(script_env(cfg, run_id))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # One thread per rank's share of the cores: more oversubscribes the CPU and slows every rank.
-    env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.world_size, 1)))
+    env["OMP_NUM_THREADS"] = str(max(1, cores // max(cfg.ranks_per_node, 1)))
     env["DDPDASH_DB_URL"] = db_url
     env["PYTHONUNBUFFERED"] = "1"
     if run_dir is not None:
@@ -113,6 +113,7 @@ def check_argv(config: Path, report: Path, python: str = sys.executable) -> list
 
 
 def supervisor_argv(run_id: int, run_dir: RunDir, python: str = sys.executable) -> list[str]:
+    """A local run's supervisor (a Slurm job's are in its job script: trainer/slurm.job_script)."""
     return [python, "-m", SUPERVISOR_MODULE, "--run-id", str(run_id), "--run-dir", str(run_dir.path)]
 
 
@@ -129,6 +130,9 @@ def cli_command(cfg: RunConfig) -> list[str]:
             continue
         if name == "params":
             argv += [arg for entry in value for arg in ("--param", entry)]
+            continue
+        if name == "sbatch_options":
+            argv += [f"--sbatch-option={entry}" for entry in value]
             continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

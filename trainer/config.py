@@ -25,6 +25,7 @@ Optimizer = Literal["sgd", "adam", "adamw"]
 Task = Literal["auto", "classification", "regression"]
 Dataset = Literal["auto", "regression", "digits", "text"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+Launcher = Literal["local", "slurm"]
 
 # The data each model trains on; "auto" picks the first.
 MODEL_DATASETS: dict[str, tuple[str, ...]] = {
@@ -60,6 +61,18 @@ class RunConfig:
                         min=1, max=1024)
     backend: Backend = _f("auto", "Process-group backend; auto = nccl with CUDA devices, else gloo; mpi where torch "
                              "was built with it (ranks started by mpirun).", "Devices")
+    launcher: Launcher = _f("local", "Where the ranks run: local (this machine) or slurm (a job on your Slurm cluster, "
+                                     "submitted with sbatch).", "Cluster")
+    nodes: int = _f(1, "Slurm: nodes, each running num_procs ranks (world size = nodes × num_procs); more than one "
+                       "needs a PostgreSQL store every node reaches and a run folder they share.", "Cluster",
+                    min=1, max=1024)
+    partition: str = _f("", "Slurm: the partition (empty: the cluster's default).", "Cluster")
+    time_limit: str = _f("", "Slurm: the job's time limit, e.g. 00:30:00 or 1-12:00:00 (empty: the partition's).",
+                         "Cluster", flag_aliases=("time",))
+    account: str = _f("", "Slurm: the account to charge (empty: yours by default).", "Cluster")
+    qos: str = _f("", "Slurm: the quality of service (empty: the default).", "Cluster")
+    sbatch_options: tuple[str, ...] = _f((), "Slurm: more sbatch options, one --key=value per line (e.g. "
+                                             "--constraint=a100); never a shell string.", "Cluster", list=True)
     recipe: str = _f("mlp", "What to train: a demo (linear: the seed example, mlp/cnn: digits, transformer: a text "
                             "LM), your data (table, images), or your own recipe as path/to/file.py:build or "
                             "package.module:build.", "Model")
@@ -139,12 +152,21 @@ class RunConfig:
 
     # ---- derived values -------------------------------------------------------------------
     @property
-    def world_size(self) -> int:
+    def ranks_per_node(self) -> int:
         return len(self.devices) if self.devices else self.num_procs
 
     @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def on_slurm(self) -> bool:
+        return self.launcher == "slurm"
+
+    @property
     def uses_cuda(self) -> bool:
-        return bool(self.devices)
+        """GPUs: chosen by index here, or on Slurm asked of the cluster with the nccl backend (one per rank)."""
+        return bool(self.devices) or (self.on_slurm and self.backend == "nccl")
 
     @property
     def uses_script(self) -> bool:
@@ -435,7 +457,14 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
     if cfg.webhook and (why := webhook_problem(cfg.webhook)):
         err("webhook", why)
 
-    if cfg.devices:
+    if cfg.on_slurm:
+        errors += slurm_errors(cfg)
+    elif cfg.nodes > 1:
+        err("nodes", f"is {cfg.nodes}, but the local launcher runs on this one machine: set launcher to slurm for "
+                     "more nodes")
+    if cfg.on_slurm:
+        pass  # the nodes are not this machine: their cores, GPUs and memory are Slurm's to check
+    elif cfg.devices:
         if len(set(cfg.devices)) != len(cfg.devices):
             err("devices", f"lists a GPU twice: {list(cfg.devices)}")
         if not machine.has_cuda:
@@ -450,7 +479,7 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         if cfg.num_procs > top:
             err("num_procs", f"{cfg.num_procs} processes on {machine.cpu_count} cores would thrash; use at most {top}")
 
-    if cfg.resolved_backend == "nccl":
+    if cfg.resolved_backend == "nccl" and not cfg.on_slurm:
         if not machine.has_cuda:
             err("backend", "nccl needs CUDA GPUs and this machine has none; use gloo (or auto)")
         elif not cfg.devices:
@@ -460,7 +489,7 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
 
     if cfg.amp == "fp16" and not cfg.uses_cuda:
         err("amp", "fp16 on CPU is 20–30× slower than fp32; use bf16 on CPU (fp16 with GradScaler is for CUDA)")
-    if cfg.amp == "bf16" and cfg.uses_cuda and machine.has_cuda and not machine.bf16_gpu:
+    if cfg.amp == "bf16" and cfg.devices and machine.has_cuda and not machine.bf16_gpu:
         err("amp", "these GPUs do not support bf16; use fp16")
 
     if cfg.resolved_backend == "mpi":
@@ -495,11 +524,36 @@ def validate(cfg: RunConfig, machine: Machine) -> list[ConfigError]:
         err("script_args", "are for your own script: set script (or module) too")
     if cfg.module and not all(part.isidentifier() for part in cfg.module.split(".")):
         err("module", f"must be a dotted module name like mypkg.train, got {cfg.module!r}")
-    if cfg.memory_check and not errors and cfg.uses_demo:  # the user's own model: no estimate before the check
+    # The user's own model has no estimate before the check; a Slurm node's memory is not this machine's.
+    if cfg.memory_check and not errors and cfg.uses_demo and not cfg.on_slurm:
         why = memory_problem(cfg, machine)
         if why:
             err("memory_check", f"refuses this run: it {why}. Make it smaller, or turn memory_check off "
                                 "(--no-memory-check) to launch it anyway")
+    return errors
+
+
+def slurm_errors(cfg: RunConfig) -> list[ConfigError]:
+    """What a Slurm launch's settings say of themselves (the cluster judges the rest when it is submitted)."""
+    from .slurm import option_problem, time_limit_problem, word_problem
+
+    errors: list[ConfigError] = []
+    if cfg.devices:
+        errors.append(ConfigError("devices", "are this machine's GPU indices; on Slurm choose the nccl backend and "
+                                             "num_procs GPUs per node, and Slurm assigns them"))
+    if cfg.resolved_backend == "mpi":
+        errors.append(ConfigError("backend", "mpi is not offered on Slurm: use gloo, or nccl for GPUs"))
+    for name in ("partition", "account", "qos"):
+        why = word_problem(getattr(cfg, name))
+        if why:
+            errors.append(ConfigError(name, why))
+    why = time_limit_problem(cfg.time_limit)
+    if why:
+        errors.append(ConfigError("time_limit", why))
+    for option in cfg.sbatch_options:
+        why = option_problem(option)
+        if why:
+            errors.append(ConfigError("sbatch_options", why))
     return errors
 
 

@@ -4,8 +4,10 @@ reconciliation happens here. Runs in the dashboard's and the CLI's processes (an
 to start torchrun).
 
     launch(engine, cfg, machine) -> run id   validates, queues the run; the queue starts its supervisor
-    stop(engine, run_id)                     SIGTERM through the supervisor; survivors are killed
-    reconcile(engine)                        runs whose supervisor is gone become `lost`
+                                             (a Slurm run: its job script is submitted with sbatch)
+    stop(engine, run_id)                     SIGTERM through the supervisor (or Slurm); survivors are killed
+    reconcile(engine)                        runs whose supervisor is gone become `lost`; Slurm runs follow
+                                             their job's state
     delete_run(engine, run_id)               a finished run's rows and the folder ddpdash made
 """
 
@@ -54,6 +56,8 @@ from .config import (
     webhook_problem,
 )
 from .rundir import RunDir, new_run_dir
+from .slurm import HOST as SLURM_HOST
+from .slurm import Job, job_script
 from .supervisor.priority import PriorityError, supervisor_nice
 
 if TYPE_CHECKING:
@@ -104,6 +108,8 @@ def prepare(cfg: RunConfig, machine: Machine) -> RunConfig:
     env_webhook = os.environ.get(WEBHOOK_ENV, "").strip()
     if not cfg.webhook and env_webhook and (why := webhook_problem(env_webhook)):
         raise LaunchError(f"{WEBHOOK_ENV} {why}")
+    if cfg.on_slurm:
+        check_slurm_target(cfg)
     return cfg
 
 
@@ -115,16 +121,28 @@ def enqueue(engine: Engine, cfg: RunConfig, *, db_url: str | None = None, sweep:
 
     from .queue import dispatch
 
+    if cfg.on_slurm and cfg.nodes > 1 and engine.dialect.name == "sqlite":
+        raise ConfigInvalid([ConfigError("nodes", f"is {cfg.nodes}, and the store is a SQLite file, which nodes "
+                                                  "cannot share: set DDPDASH_DB_URL to a PostgreSQL database every "
+                                                  "node reaches (or run on one node)")])
     db_url = db_url or engine.url.render_as_string(hide_password=False) or default_db_url()
     key = f"ddpdash-{uuid.uuid4()}"
     with Session(engine) as s, s.begin():
+        # A Slurm run is Slurm's to queue: never waiting in this machine's queue (another host, admitted).
         run_id = create_run(s, key=key, name=cfg.name, config_json=cfg.to_json(), world_size=cfg.world_size,
-                            host=socket.gethostname(), sweep=sweep, group_name=cfg.group, admitted=False,
-                            trains=cfg.what, backend=cfg.resolved_backend)
+                            host=SLURM_HOST if cfg.on_slurm else socket.gethostname(), sweep=sweep,
+                            group_name=cfg.group, admitted=cfg.on_slurm, trains=cfg.what,
+                            backend=cfg.resolved_backend)
     try:
         run_dir = new_run_dir(run_id)
         run_dir.config.write_text(cfg.to_json())
         env = torchrun_env(cfg, db_url, run_key=key)
+        if cfg.on_slurm:
+            run_dir.job_script.write_text(job_script(cfg, run_id, run_dir))
+            with Session(engine) as s, s.begin():
+                update_run(s, run_id, run_dir=str(run_dir.path))
+            submit_slurm_job(engine, run_id, run_dir, env)
+            return run_id
         fd = os.open(run_dir.launch_env, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold a password
         with os.fdopen(fd, "w") as f:
             json.dump(env, f)
@@ -276,18 +294,228 @@ def _spawn(argv: list[str], log_path: Path, env: dict[str, str], cwd: Path) -> s
 
 
 def spawn_torchrun(cfg: RunConfig, run_dir: RunDir, run_id: int, db_url: str,
-                   relay_env: dict[str, str]) -> subprocess.Popen[bytes]:
+                   relay_env: dict[str, str], rendezvous: list[str] | None = None) -> subprocess.Popen[bytes]:
     """Called by the supervisor. torchrun stays in the supervisor's session; its workers get their own.
-    `relay_env` tells the ranks where the supervisor takes their metrics (trainer/relay.py)."""
+    `relay_env` tells the ranks where the supervisor takes their metrics (trainer/relay.py); `rendezvous`
+    is a Slurm node's part of the job's (commands.torchrun_argv)."""
     from .flight_recorder import TIMEOUT_DUMP
 
     run_dir.flight_recorder(TIMEOUT_DUMP).mkdir(parents=True, exist_ok=True)  # NCCL's watchdog writes, not makes, it
     with open(run_dir.torchrun_log, "ab") as out:
         return subprocess.Popen(
-            torchrun_argv(cfg, run_dir, run_id), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            torchrun_argv(cfg, run_dir, run_id, rendezvous=rendezvous), stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT,
             env={**torchrun_env(cfg, db_url, run_id=run_id, run_dir=run_dir), **relay_env},
             cwd=rank_workdir(cfg, run_dir),
         )
+
+
+# ---- Slurm ---------------------------------------------------------------------------------------
+SLURM_TIMEOUT_S = 30.0
+SLURM_STOP_WAIT_S = 20.0  # after the job is cancelled, for Slurm to end its processes on every node
+
+
+class SlurmError(RuntimeError):
+    """Slurm's commands are missing or did not answer."""
+
+
+def slurm_missing() -> str | None:
+    """Why this machine cannot submit to Slurm, or None."""
+    missing = [tool for tool in ("sbatch", "squeue", "scancel") if shutil.which(tool) is None]
+    return f"Slurm's {', '.join(missing)} not on the PATH" if missing else None
+
+
+def _slurm(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, env=env,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError as exc:
+        raise SlurmError(f"{argv[0]} is not on the PATH") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise SlurmError(f"{argv[0]} did not answer in {SLURM_TIMEOUT_S:g} s") from exc
+
+
+def slurm_partitions() -> list[str]:
+    """The cluster's partitions (the default first), from sinfo; [] where Slurm does not answer."""
+    try:
+        out = _slurm(["sinfo", "-h", "-o", "%P"])
+    except SlurmError:
+        return []
+    names = [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    default = [n.rstrip("*") for n in names if n.endswith("*")]
+    return list(dict.fromkeys([*default, *(n.rstrip("*") for n in names)]))
+
+
+def check_slurm_target(cfg: RunConfig) -> None:
+    """Before anything is written: Slurm is here, and the partition asked for exists."""
+    why = slurm_missing()
+    if why:
+        raise ConfigInvalid([ConfigError("launcher", f"is slurm, but {why}: install Slurm's client commands "
+                                                     "(or use the local launcher)")])
+    if cfg.partition:
+        known = slurm_partitions()
+        if known and cfg.partition not in known:
+            raise ConfigInvalid([ConfigError("partition", f"{cfg.partition!r} is not a partition of this cluster; "
+                                                          f"it has {', '.join(known)}")])
+
+
+def submit_slurm_job(engine: Engine, run_id: int, run_dir: RunDir, env: dict[str, str]) -> str:
+    """sbatch the run's job script with the launcher's environment; the job id is recorded on the run. A
+    refusal fails the run with sbatch's own words and raises LaunchError."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, finish_run, update_run
+
+    from .slurm import sbatch_argv
+
+    try:
+        out = _slurm(sbatch_argv(run_dir.job_script), env=env)
+        why = "" if out.returncode == 0 else (out.stderr or out.stdout).strip() or f"exit code {out.returncode}"
+    except SlurmError as exc:
+        out, why = None, str(exc)
+    job_id = out.stdout.strip().split(";")[0] if out is not None and not why else ""
+    if why or not job_id.isdecimal():
+        why = why or f"sbatch printed no job id: {out.stdout.strip()!r}"  # type: ignore[union-attr]
+        with Session(engine) as s, s.begin():
+            if finish_run(s, run_id, RunStatus.FAILED, error=f"sbatch refused the job: {why}"):
+                add_event(s, run_id, EventKind.FAILED, f"sbatch refused the job: {why}")
+        raise LaunchError(f"sbatch refused the job: {why}")
+    with Session(engine) as s, s.begin():
+        update_run(s, run_id, job_id=job_id, job_state="PENDING")
+        add_event(s, run_id, EventKind.QUEUED, f"submitted to Slurm as job {job_id}")
+    return job_id
+
+
+def slurm_jobs(job_ids: list[str]) -> dict[str, Job]:
+    """What Slurm says of these jobs, by id; a job it no longer knows is absent. SlurmError when it does not
+    answer (then nothing may be concluded about any job)."""
+    from .slurm import QUEUE_FORMAT, parse_scontrol_job, parse_squeue
+
+    if not job_ids:
+        return {}
+    out = _slurm(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", QUEUE_FORMAT])
+    if out.returncode != 0 and "Invalid job id" not in out.stderr:
+        raise SlurmError(f"squeue failed: {out.stderr.strip()}")
+    jobs = parse_squeue(out.stdout) if out.returncode == 0 else {}
+    for job_id in job_ids:
+        if job_id not in jobs:  # squeue forgets a job sooner than scontrol in some setups: ask it too
+            shown = _slurm(["scontrol", "show", "job", "-o", job_id])
+            job = parse_scontrol_job(shown.stdout) if shown.returncode == 0 else None
+            if job is not None:
+                jobs[job_id] = job
+    return jobs
+
+
+def cancel_slurm_job(job_id: str, signal_name: str | None = None) -> None:
+    """scancel a job (all of it), or with `signal_name` signal its steps' processes on every node."""
+    argv = ["scancel", *([f"--signal={signal_name}"] if signal_name else []), job_id]
+    out = _slurm(argv)
+    if out.returncode != 0:
+        raise StopError(f"scancel {job_id} failed: {(out.stderr or out.stdout).strip()}")
+
+
+def stop_slurm_run(engine: Engine, run: RunInfo, timeout_s: float) -> str:
+    """A pending job is cancelled at once; a running one gets SIGTERM on every rank through Slurm (each
+    node's supervisor stops its torchrun and records the stop), and after the grace is cancelled whole, so
+    nothing survives on any node."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, finish_run, get_run, update_run
+
+    from .slurm import WAITING_STATES
+
+    if not run.job_id:
+        raise StopError(f"run {run.id} has no Slurm job yet (it is being submitted); try again in a moment")
+    job = slurm_jobs([run.job_id]).get(run.job_id)
+    if job is None or job.is_final or (job.state in WAITING_STATES and run.status == RunStatus.QUEUED):
+        if job is not None and not job.is_final:
+            cancel_slurm_job(run.job_id)
+        with Session(engine) as s, s.begin():
+            if finish_run(s, run.id, RunStatus.CANCELLED, job_state=f"CANCELLED (was {job.state if job else '?'})"):
+                add_event(s, run.id, EventKind.CANCELLED, f"Slurm job {run.job_id} cancelled before it started")
+            return get_run(s, run.id).status
+    with Session(engine) as s, s.begin():
+        update_run(s, run.id, status=RunStatus.STOPPING)
+        add_event(s, run.id, EventKind.STOP, "stop requested")
+    cancel_slurm_job(run.job_id, "TERM")
+    if not _wait_final(engine, run.id, timeout_s):
+        log.warning("run %d did not stop in %.0f s: cancelling Slurm job %s", run.id, timeout_s, run.job_id)
+    cancel_slurm_job(run.job_id)  # whatever is left on any node
+    deadline = time.monotonic() + SLURM_STOP_WAIT_S
+    while time.monotonic() < deadline:
+        job = slurm_jobs([run.job_id]).get(run.job_id)
+        if job is None or job.is_final:
+            break
+        time.sleep(0.3)
+    with Session(engine) as s, s.begin():
+        if finish_run(s, run.id, RunStatus.STOPPED, job_state=job.describe if job else "gone"):
+            add_event(s, run.id, EventKind.STOPPED, f"stopped; Slurm cancelled job {run.job_id}")
+        return get_run(s, run.id).status
+
+
+def _wait_final(engine: Engine, run_id: int, timeout_s: float) -> bool:
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import get_run
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with Session(engine) as s:
+            if get_run(s, run_id).status in RunStatus.FINAL:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def reconcile_slurm(engine: Engine, runs: list[RunInfo], now: float) -> list[int]:
+    """Slurm runs against their jobs: a waiting or running job's state is kept on the run (the pages show it);
+    a job that ended, or that Slurm no longer knows, while its run is still active gives the run its outcome
+    (no supervisor was left to record one: a time limit, a cancel by hand, a node that failed, a refusal).
+    Returns the ids given an outcome."""
+    from sqlalchemy.orm import Session
+
+    from ddpdash.db.runs import add_event, finish_run, update_run
+
+    from .slurm import job_outcome
+
+    submitted = [r for r in runs if r.job_id]
+    try:
+        jobs = slurm_jobs([r.job_id for r in submitted])
+    except SlurmError as exc:
+        log.warning("cannot read the Slurm runs' jobs: %s", exc)
+        return []
+    ended = []
+    for run in runs:
+        if not run.job_id and now - run.created_at > QUEUED_GRACE_S:  # its launcher died before sbatch answered
+            with Session(engine) as s, s.begin():
+                if finish_run(s, run.id, RunStatus.LOST, error="it was never submitted to Slurm"):
+                    add_event(s, run.id, EventKind.LOST, "it was never submitted to Slurm")
+                    ended.append(run.id)
+    for run in submitted:
+        job = jobs.get(run.job_id)
+        outcome = (RunStatus.LOST, f"its Slurm job {run.job_id} is gone (Slurm no longer knows it)") \
+            if job is None else job_outcome(job)
+        if outcome is None:
+            assert job is not None
+            if job.describe != run.job_state:
+                with Session(engine) as s, s.begin():
+                    update_run(s, run.id, job_state=job.describe)
+            continue
+        status, why = outcome
+        refusals = RunDir(Path(run.run_dir)).refusals() if run.run_dir else []
+        if refusals:
+            status, why = RunStatus.FAILED, "; ".join(p.read_text().strip() for p in refusals)
+        with Session(engine) as s, s.begin():
+            if finish_run(s, run.id, status, error=why if status != RunStatus.SUCCEEDED else "",
+                          job_state=job.describe if job else "gone"):
+                kind = {RunStatus.SUCCEEDED: EventKind.FINISHED, RunStatus.STOPPED: EventKind.STOPPED,
+                        RunStatus.LOST: EventKind.LOST}.get(status, EventKind.FAILED)
+                add_event(s, run.id, kind, why)
+                ended.append(run.id)
+        if status in (RunStatus.FAILED, RunStatus.LOST):
+            notify_once(engine, run.id, run.name, run.config, EventKind.FAILED if status == RunStatus.FAILED
+                        else EventKind.LOST, why)
+    return ended
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -409,6 +637,8 @@ def stop(engine: Engine, run_id: int, timeout_s: float = SHUTDOWN_TIMEOUT_S + ST
         run = get_run(s, run_id)
     if run.status in RunStatus.FINAL:
         return run.status
+    if run.host == SLURM_HOST:
+        return stop_slurm_run(engine, run, timeout_s)
     if run.host in ("", socket.gethostname()) and cancel(engine, run_id):
         return RunStatus.CANCELLED  # it was waiting in the queue: nothing ran
     if run.host not in ("", socket.gethostname()):
@@ -472,7 +702,12 @@ def reconcile(engine: Engine, now: float | None = None) -> list[int]:
     lost = []
     with Session(engine) as s:
         active = list_runs(s, statuses=RunStatus.ACTIVE)
+    on_slurm = [r for r in active if r.host == SLURM_HOST]
+    if on_slurm:
+        lost += reconcile_slurm(engine, on_slurm, now)
     for run in active:
+        if run.host == SLURM_HOST:
+            continue
         reason = _why_lost(engine, run, host, now)
         if reason is None:
             continue

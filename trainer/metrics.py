@@ -57,6 +57,9 @@ class RankLogger:
         self._total: int | None = None
         self._quiet = True  # nothing logged yet: the first point goes at once, so the run shows up live sooner
         self.on_tick: Callable[[], object] | None = None  # run on the logger's thread after each send (requests)
+        # Run on the logger's thread over each step's values before they are handed on (a script's log()
+        # leaves the check for non-numbers and non-finite values to it: off the training step's path).
+        self.check_values: Callable[[Mapping[str, object], int], Mapping[str, float]] | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._send_lock = threading.Lock()
@@ -123,10 +126,26 @@ class RankLogger:
 
     def _take(self) -> Batch:
         logs, events = _drain(self._logs), _drain(self._events)
+        if self.check_values is not None:
+            logs = _checked(logs, self.check_values)
         replace_from = None
         if self._replace_pending and logs:
             replace_from, self._replace_pending = min(row[0] for row in logs), False
         return Batch(group_logs(logs), events, self._status, self._total, replace_from)
+
+
+def _checked(logs: list[LogRow], check: Callable[[Mapping[str, object], int], Mapping[str, float]]) -> list[LogRow]:
+    """Rows whose values are all finite floats as they are (the usual case: a type check and a subtraction
+    each, x - x being 0.0 for a finite float); the others through `check`."""
+    out = logs
+    for i, (step, at, values) in enumerate(logs):
+        for value in values.values():
+            if type(value) is not float or value - value:
+                if out is logs:
+                    out = list(logs)
+                out[i] = (step, at, check(values, step))
+                break
+    return out
 
 
 def _drain(queue: collections.deque) -> list:  # type: ignore[type-arg]

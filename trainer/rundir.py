@@ -16,6 +16,12 @@
         supervisor.log       the supervisor's own log
         torchrun.log         torchrun's output
         logs/<rdzv>_<rand>/attempt_<n>/<local_rank>/{stdout,stderr}.log, error.json   (torchrun's layout)
+    and for a Slurm run (trainer/slurm.py), whose folder every node shares:
+        job.sh               the batch script ddpdash submitted
+        slurm-<job id>.out   Slurm's own output of the job
+        supervisor.node<K>.log, torchrun.node<K>.log   node K's supervisor and torchrun
+        logs/node<K>-rank<F>/…   node K's torchrun logs (its local rank L is global rank F + L)
+        refused.node<K>.txt  why node K's supervisor refused to start (e.g. SQLite on a network file system)
 
 Standard library only: the ranks, the supervisor and the dashboard all read it.
 """
@@ -40,6 +46,11 @@ class RunDir:
     """The folder of one run and the names of what it holds."""
 
     path: Path
+    node: int | None = None  # a Slurm job's node: what its own supervisor and torchrun write is its own
+    first_rank: int = 0  # the global rank of that node's local rank 0
+
+    def on_node(self, node: int, first_rank: int) -> RunDir:
+        return RunDir(self.path, node, first_rank)
 
     @classmethod
     def of_config(cls, config_path: Path) -> RunDir:
@@ -88,25 +99,67 @@ class RunDir:
 
     @property
     def supervisor_log(self) -> Path:
-        return self.path / "supervisor.log"
+        return self.path / "supervisor.log" if self.node is None else self.node_supervisor_log(str(self.node))
+
+    def node_supervisor_log(self, node: str) -> Path:
+        """A Slurm node's supervisor log (`node` may be srun's `%n`, the node's index in the job)."""
+        return self.path / f"supervisor.node{node}.log"
 
     @property
     def torchrun_log(self) -> Path:
-        return self.path / "torchrun.log"
+        return self.path / ("torchrun.log" if self.node is None else f"torchrun.node{self.node}.log")
 
     @property
     def logs(self) -> Path:
-        """torchrun's --log-dir."""
-        return self.path / "logs"
+        """torchrun's --log-dir (a Slurm node's own, under the run's)."""
+        top = self.path / "logs"
+        return top if self.node is None else top / f"node{self.node}-rank{self.first_rank}"
+
+    @property
+    def job_script(self) -> Path:
+        return self.path / "job.sh"
+
+    @property
+    def slurm_output(self) -> str:
+        """Slurm's output file of the job, as sbatch's --output pattern (%j: the job id)."""
+        return str(self.path / "slurm-%j.out")
+
+    def slurm_output_of(self, job_id: str) -> Path:
+        return self.path / f"slurm-{job_id}.out"
+
+    @property
+    def refusal(self) -> Path:
+        """Where a node's supervisor says why it would not start (read by reconciliation)."""
+        return self.path / f"refused.node{self.node or 0}.txt"
+
+    def refusals(self) -> list[Path]:
+        return sorted(self.path.glob("refused.node*.txt"))
+
+    def node_logs(self) -> list[Path]:
+        """The supervisor and torchrun logs of every Slurm node, node by node."""
+        return sorted([*self.path.glob("supervisor.node*.log"), *self.path.glob("torchrun.node*.log")])
+
+    def _node_of(self, rank: int) -> tuple[Path, int] | None:
+        """The Slurm node's log folder a global rank's logs are in, and its local rank there."""
+        best: tuple[int, Path] | None = None
+        for folder in (self.path / "logs").glob("node*-rank*"):
+            first = folder.name.rpartition("-rank")[2]
+            if first.isdecimal() and int(first) <= rank and (best is None or int(first) > best[0]):
+                best = (int(first), folder)
+        return (best[1], rank - best[0]) if best else None
 
     def attempts(self) -> list[Path]:
         """torchrun's attempt folders, oldest first."""
         return sorted(self.logs.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
 
     def rank_log(self, rank: int, stream: str = "stderr") -> Path | None:
-        """The newest attempt's log of a (local) rank, stdout or stderr: torchrun's layout, or Open MPI's
+        """The newest attempt's log of a rank (a node's local rank on a node's RunDir), stdout or stderr:
+        torchrun's layout, or Open MPI's
         (`logs/mpi/1/rank.N/stderr`) for an mpi run."""
-        found = sorted(self.logs.glob(f"*/attempt_*/{rank}/{stream}.log"),
+        logs, local = self.logs, rank
+        if self.node is None and (on_node := self._node_of(rank)):
+            logs, local = on_node  # a Slurm run: `rank` is global, its node's folder counts from local rank 0
+        found = sorted(logs.glob(f"*/attempt_*/{local}/{stream}.log"),
                        key=lambda p: (p.stat().st_mtime, p.parent.parent.name))
         return found[-1] if found else mpi_rank_log(self.logs / MPI_LOG_FOLDER, rank, stream)
 

@@ -106,6 +106,8 @@ def _header(run: RunInfo, states) -> None:  # type: ignore[no-untyped-def]
             st.caption(f"Trains {md_escape(cfg.provenance)}")
         prog = livedata.progress(run, states)
         st.progress(prog.fraction, text=prog.text())
+        if run.job_id:
+            _slurm_job(run)
     with right:
         if is_waiting(run):
             _queued(run)
@@ -270,12 +272,27 @@ def _events(evs, run: RunInfo) -> None:  # type: ignore[no-untyped-def]
                 st.code(ev.detail, language="text")
 
 
+def _slurm_job(run: RunInfo) -> None:
+    """A Slurm run's job: its id, what Slurm says of it (state, reason, nodes), and the script submitted."""
+    st.caption(livedata.slurm_job_line(run))
+    script = RunDir(Path(run.run_dir)).job_script if run.run_dir else None
+    if script is not None and script.exists():
+        with st.expander("Job script", icon=":material/description:"):
+            st.code(script.read_text(), language="bash")
+
+
 def _logs(run: RunInfo) -> None:
     st.subheader("Logs")
     c1, c2 = st.columns([1, 1])
-    rank = c1.selectbox("Rank", list(range(run.world_size)), key="log_rank")
+    folder = RunDir(Path(run.run_dir)) if run.run_dir else None
+    others = livedata.job_logs(run, folder) if folder is not None else {}
+    rank = c1.selectbox("Rank", [*range(run.world_size), *others], key="log_rank",
+                        format_func=lambda r: f"rank {r}" if isinstance(r, int) else str(r))
+    if not isinstance(rank, int):
+        st.code(tail(others[rank], 200) or "(empty)", language="text")
+        return
     stream = c2.radio("Stream", ["stderr", "stdout"], horizontal=True, key="log_stream")
-    path = RunDir(Path(run.run_dir)).rank_log(int(rank), stream) if run.run_dir else None
+    path = folder.rank_log(int(rank), stream) if folder is not None else None
     if path is None:
         st.caption("No log yet for this rank.")
     else:

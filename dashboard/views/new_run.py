@@ -52,6 +52,16 @@ def _widget(spec: forms.FieldSpec, machine: Machine, values: dict[str, Any]) -> 
     if spec.name == "params":
         _params_editor(spec)
         return
+    if spec.name in ("launcher", "partition"):
+        why_not, partitions = state.slurm_target()
+        if why_not:  # Slurm is offered only where sbatch is
+            st.caption(f"Runs launch on this machine ({why_not}: no Slurm cluster to submit to).")
+            return
+        options = ("local", "slurm") if spec.name == "launcher" else ("", *partitions)
+        if not missing and st.session_state[spec.key] not in options:
+            st.session_state[spec.key] = options[0]
+        st.selectbox(spec.label, options, format_func=lambda p: p or "the cluster's default", **kw)
+        return
     if spec.kind == "choice":
         options: tuple[str, ...] = spec.choices
         fmt = str
@@ -174,8 +184,12 @@ def _summary_and_launch(result: forms.FormResult) -> None:
         cli, torchrun = forms.command_previews(result.config)
         st.markdown("**Same run from a terminal**")
         st.code(cli, language="bash", wrap_lines=True)
-        st.markdown("**The torchrun command the launcher runs**")
-        st.code(torchrun, language="bash", wrap_lines=True)
+        if result.config.on_slurm:
+            st.markdown("**The job script ddpdash submits** (`sbatch --parsable job.sh`)")
+            st.code(forms.job_script_preview(result.config), language="bash")
+        else:
+            st.markdown("**The torchrun command the launcher runs**")
+            st.code(torchrun, language="bash", wrap_lines=True)
 
 
 def _sweep(cfg: RunConfig) -> None:

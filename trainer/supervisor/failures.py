@@ -49,8 +49,8 @@ def read_failures(run_dir: RunDir, tail_lines: int = 40) -> list[RankFailure]:
         if not error_file.exists():
             continue
         message, trace, stamp = _parse_error_file(error_file)
-        failures.append(RankFailure(int(rank_dir.name), message, trace, tail(rank_dir / "stderr.log", tail_lines),
-                                    stamp))
+        rank = run_dir.first_rank + int(rank_dir.name)  # torchrun names the folders by local rank
+        failures.append(RankFailure(rank, message, trace, tail(rank_dir / "stderr.log", tail_lines), stamp))
     return failures
 
 

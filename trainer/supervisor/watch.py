@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -33,6 +34,7 @@ from ..config import RunConfig
 from ..control import descendants, terminate_run
 from ..rundir import RunDir, tail
 from .failures import RankFailure, blame, exited_ranks, flight_recorder_finding, root_causes
+from .node import SlurmNode
 from .relay_server import RelayServer
 
 log = logging.getLogger(__name__)
@@ -60,12 +62,18 @@ def patiently(what: str, action: Callable[[], T], patience_s: float = OUTAGE_PAT
 
 
 def supervise(engine: Engine, run_id: int, run_dir: RunDir, cfg: RunConfig, proc: subprocess.Popen[bytes],
-              stop_requested: threading.Event, relay: RelayServer) -> str:
+              stop_requested: threading.Event, relay: RelayServer, node: SlurmNode | None = None) -> str:
+    """Watch torchrun until it ends and record the outcome; for a Slurm `node`, that node's part of it."""
+    # A run's PIDs are its one machine's: of a Slurm job's, the first node's are kept (the others' are Slurm's).
+    keeps_pids = node is None or node.index == 0
+
     def record_start() -> None:
         with Session(engine) as s, s.begin():
-            update_run(s, run_id, status=RunStatus.RUNNING, started_at=time.time(), torchrun_pid=proc.pid,
-                       supervisor_pid=os.getpid(), heartbeat_at=time.time())
-            add_event(s, run_id, EventKind.LAUNCHED, f"torchrun pid {proc.pid}, {cfg.world_size} rank(s)")
+            pids = {"torchrun_pid": proc.pid, "supervisor_pid": os.getpid()} if keeps_pids else {}
+            update_run(s, run_id, status=RunStatus.RUNNING, started_at=time.time(), heartbeat_at=time.time(), **pids)
+            where = "" if node is None else f"node {node.index} ({socket.gethostname()}): "
+            add_event(s, run_id, EventKind.LAUNCHED,
+                      f"{where}torchrun pid {proc.pid}, {cfg.ranks_per_node} of {cfg.world_size} rank(s)")
 
     patiently("the start", record_start)
     workers: set[int] = set()
@@ -76,22 +84,59 @@ def supervise(engine: Engine, run_id: int, run_dir: RunDir, cfg: RunConfig, proc
             killed = terminate_run(proc.pid, sorted(workers | set(descendants(proc.pid))))
             proc.wait()
             relay.drain()  # the ranks' last metrics and statuses, before the run's own
+            if node is not None and not _stop_asked(engine, run_id):
+                return _ended_by_slurm(engine, run_id, node)
             return patiently("the stop", functools.partial(_record_stop, engine, run_id, killed))
         now = time.time()
         if now - last_beat >= HEARTBEAT_S or not workers:
             workers |= set(descendants(proc.pid))
             frozen.check(now)
             promote_checkpoint(run_dir, relay.written_steps(), cfg.world_size)
-            _beat(engine, run_id, now, workers)
+            _beat(engine, run_id, now, workers if keeps_pids else None)
             last_beat = now
     # torchrun is gone: make sure no worker outlived it.
     leftovers = terminate_run(None, sorted(workers), wait_s=1.0)
     relay.drain()  # every rank has exited: write what they sent before judging the outcome
     promote_checkpoint(run_dir, relay.written_steps(), cfg.world_size)
     if stop_requested.is_set():
+        if node is not None and not _stop_asked(engine, run_id):
+            return _ended_by_slurm(engine, run_id, node)
         return patiently("the stop", lambda: _record_stop(engine, run_id, leftovers))
     return patiently("the outcome",
-                     lambda: _record_exit(engine, run_id, run_dir, proc.returncode, leftovers, frozen.stopped))
+                     lambda: _record_exit(engine, run_id, run_dir, proc.returncode, leftovers, frozen.stopped, node))
+
+
+CAUSE_PATIENCE_S = 5.0
+
+
+def _recorded_elsewhere(engine: Engine, run_id: int, patience_s: float = CAUSE_PATIENCE_S) -> bool:
+    """Whether another node records the run's outcome within `patience_s`: this node's ranks only lost
+    their peers, and the node whose rank failed first-hand names the cause better."""
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        with Session(engine) as s:
+            if get_run(s, run_id).status in RunStatus.FINAL:
+                return True
+        time.sleep(0.25)
+    return False
+
+
+def _stop_asked(engine: Engine, run_id: int) -> bool:
+    """Whether ddpdash asked this run to stop (control.stop marks it first) — else a SIGTERM to a Slurm
+    node came from Slurm itself: the time limit, or an scancel by hand."""
+    with Session(engine) as s:
+        return get_run(s, run_id).status == RunStatus.STOPPING
+
+
+def _ended_by_slurm(engine: Engine, run_id: int, node: SlurmNode) -> str:
+    """Slurm ended the job (its state says why: TIMEOUT, CANCELLED): reconciliation records the outcome
+    from it; the node says what it saw."""
+    def record() -> None:
+        with Session(engine) as s, s.begin():
+            add_event(s, run_id, EventKind.STOP, f"node {node.index}: Slurm ended job {node.job_id} (SIGTERM); "
+                                                 "its state gives the run's outcome")
+    patiently("the end", record)
+    return RunStatus.STOPPING
 
 
 class FrozenRanks:
@@ -166,12 +211,12 @@ def promote_checkpoint(run_dir: RunDir, written: dict[int, int], world_size: int
     return step
 
 
-def _beat(engine: Engine, run_id: int, now: float, workers: set[int]) -> None:
-    """The run's heartbeat and its workers' PIDs; a database that refuses it is tried again at the next
-    beat (a short outage must not end a healthy run)."""
+def _beat(engine: Engine, run_id: int, now: float, workers: set[int] | None) -> None:
+    """The run's heartbeat and its workers' PIDs (None: this node's are not the run's); a database that
+    refuses it is tried again at the next beat (a short outage must not end a healthy run)."""
     try:
         with Session(engine) as s, s.begin():
-            update_run(s, run_id, heartbeat_at=now, worker_pids=sorted(workers))
+            update_run(s, run_id, heartbeat_at=now, **({} if workers is None else {"worker_pids": sorted(workers)}))
     except DBAPIError as exc:
         log.warning("heartbeat not recorded (%s); training goes on", exc)
 
@@ -186,12 +231,17 @@ def _record_stop(engine: Engine, run_id: int, killed: list[int]) -> str:
 
 
 def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftovers: list[int],
-                 frozen: dict[int, float]) -> str:
+                 frozen: dict[int, float], node: SlurmNode | None = None) -> str:
     with Session(engine) as s:
         states = rank_rows(s, run_id)
         world = get_run(s, run_id).world_size
     finished = len(states) == world and all(r.status == RankStatus.DONE for r in states)
     with Session(engine) as s, s.begin():
+        if code == 0 and not finished and node is not None and node.count > 1:
+            # This node is done; another's ranks are not yet: the last node to finish records the outcome
+            # (each node's ranks are stored before it looks, so the later of two always sees both).
+            add_event(s, run_id, EventKind.NODE_DONE, f"node {node.index}: its ranks finished")
+            return RunStatus.RUNNING
         if code == 0 or finished:
             if code != 0:
                 # Training finished on every rank; a worker misbehaved during teardown (NOTES: SIGABRT at exit).
@@ -203,6 +253,10 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
         causes, others = blame(run_dir, frozen)
         if not causes:  # no error file (mpirun, or a rank without @record): what the ranks said themselves
             causes = failures_from_events(s, run_id, run_dir) or root_causes(exited_ranks(run_dir))
+        if node is not None and node.count > 1 and all(f.is_consequence for f in causes):
+            s.rollback()
+            if _recorded_elsewhere(engine, run_id):
+                return RunStatus.FAILED  # the node where it began named the cause
         ranks = [f.rank for f in causes]
         error = "\n\n".join(
             f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in causes
@@ -214,7 +268,8 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
         if finding:
             error += f"\n\nFlight Recorder: {finding}"
         _close_ranks(s, run_id, RankStatus.FAILED)
-        finish_run(s, run_id, RunStatus.FAILED, exit_code=code, failed_ranks=ranks, error=error)
+        if not finish_run(s, run_id, RunStatus.FAILED, exit_code=code, failed_ranks=ranks, error=error):
+            return RunStatus.FAILED  # another node recorded the failure first: the first cause stands
         summary = f"rank(s) {ranks} failed" if ranks else f"torchrun exited {code}"
         if leftovers:
             summary += f"; killed {len(leftovers)} leftover worker(s)"
@@ -228,7 +283,7 @@ def failures_from_events(s: Session, run_id: int, run_dir: RunDir) -> list[RankF
     for e in events_of_kind(s, run_id, EventKind.RANK_FAILED):
         if e.rank is None:
             continue
-        log = run_dir.rank_log(e.rank)
+        log = RunDir(run_dir.path).rank_log(e.rank)  # the run's folder: the rank may be another node's
         reported.append(RankFailure(e.rank, e.message, e.detail, tail(log, 40) if log else "", e.time))
     return root_causes(reported)
 
