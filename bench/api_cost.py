@@ -37,14 +37,8 @@ def ddpdash_log() -> Callable[[int], None]:
     from ddpdash import api
     from ddpdash.trainer.metrics import RankLogger
 
-    run = api._Run.__new__(api._Run)  # this process's run, without a store: the rank's side is what is timed
-    run.settings, run.next_step, run.warned, run.failed, run.closed = api.RunSettings(), 0, set(), False, True
-    run.engine, run.stop_requested, run.last_samples_at = None, False, time.perf_counter()
-    run.phases, run.comm, run.profile, run.run_dir, run.nonfinite_reported = {}, None, None, None, False
-    run.timed = run.profiling = False
-    run.last_log_at = time.perf_counter()
-    run.logger = RankLogger(KeepNothing(), 0, send_interval_s=3600.0)
-    api._current = run
+    # This process's run, without a store: the rank's side is what is timed.
+    api._current = api._Run(logger=RankLogger(KeepNothing(), 0, send_interval_s=3600.0))
     values = {"loss": 0.5, "acc": 0.9, "lr": 0.1, "grad_norm": 1.5}
     return lambda step: api.log(values, step=step)
 

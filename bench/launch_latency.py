@@ -39,10 +39,11 @@ def bare_torchrun() -> float:
         return float(json.loads(out.read_text())["first_step"]) - start
 
 
-def ddpdash_launch(home: Path) -> float:
+def ddpdash_launch(home: Path, cfg: RunConfig | None = None) -> float:
+    """`launch()` of `cfg` (two CPU ranks here by default) → its first metric row in the store."""
     os.environ["DDPDASH_HOME"] = str(home)
     engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
-    cfg = RunConfig(name="latency", num_procs=2, max_steps=100_000, checkpoint_every=0)
+    cfg = cfg or RunConfig(name="latency", num_procs=2, max_steps=100_000, checkpoint_every=0)
     # The watcher must not load the machine it measures: a bare sqlite3 query every 10 ms costs
     # microseconds (an ORM session per poll cost ≈ 1 ms, a tenth of a core).
     watch = sqlite3.connect(home / "ddpdash.db", timeout=5)

@@ -16,6 +16,7 @@ from bench import (
     api_cost,
     chart_query,
     compare_many,
+    dashboard_memory,
     ingest,
     launch_latency,
     live_refresh,
@@ -26,11 +27,12 @@ from bench import (
     slurm_launch,
     stacks_capture,
     trainer_vs_plain,
+    writer_64,
 )
 from bench.common import Result, machine, mode, parser, print_results
 
 BENCHMARKS = (logging_overhead, api_cost, ingest, chart_query, live_refresh, compare_many, long_run, trainer_vs_plain,
-              launch_latency, recipe_check, runs_page, stacks_capture, slurm_launch)
+              launch_latency, recipe_check, runs_page, stacks_capture, slurm_launch, writer_64, dashboard_memory)
 
 
 def main() -> None:

@@ -8,11 +8,9 @@ it is not running). Target ≤ +1 s.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shlex
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -22,13 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import ROOT, Result, describe, interleaved, quartiles, run_main
-from ddpdash.db.migrate import open_store
-from ddpdash.db.vocab import RunStatus
-from ddpdash.trainer.config import Machine, RunConfig
-from ddpdash.trainer.control import launch, stop
+from bench.launch_latency import ddpdash_launch
+from ddpdash.trainer.config import RunConfig
 from tests import slurm_cluster
 
-CPU = Machine(cpu_count=os.cpu_count() or 1)
 TIMEOUT_S = 120.0
 
 
@@ -54,26 +49,8 @@ def plain_job(work: Path) -> float:
 
 def ddpdash_job(home: Path) -> float:
     """launch() of the same ranks on Slurm → their first metric row, as the Live page would see it."""
-    os.environ["DDPDASH_HOME"] = str(home)
-    engine = open_store(f"sqlite:///{home / 'ddpdash.db'}")
-    cfg = RunConfig(name="slurm-latency", launcher="slurm", num_procs=2, max_steps=100_000, checkpoint_every=0)
-    watch = sqlite3.connect(home / "ddpdash.db", timeout=5)  # a bare query: the watcher must not load the host
-    start = time.time()
-    run_id = launch(engine, cfg, CPU)
-    try:
-        for polls in itertools.count():
-            if watch.execute("SELECT 1 FROM metric_chunks WHERE run_id = ? LIMIT 1", (run_id,)).fetchone():
-                return time.time() - start
-            if polls % 100 == 99:
-                status = watch.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()[0]
-                if status in RunStatus.FINAL or time.time() - start > TIMEOUT_S:
-                    raise SystemExit(f"run {run_id} is {status} after {time.time() - start:.0f} s with no metric row")
-            time.sleep(0.01)
-        raise AssertionError("unreachable")
-    finally:
-        watch.close()
-        stop(engine, run_id)
-        engine.dispose()
+    return ddpdash_launch(home, RunConfig(name="slurm-latency", launcher="slurm", num_procs=2, max_steps=100_000,
+                                          checkpoint_every=0))
 
 
 def measure(repeats: int) -> list[Result]:
@@ -81,7 +58,16 @@ def measure(repeats: int) -> list[Result]:
     if why:
         print(f"  not measured: {why}")
         return [Result("Slurm launch latency", f"not measured ({why})", "≤ +1 s", False)]
+    was_running = slurm_cluster.running()
     os.environ.update(slurm_cluster.start())
+    try:
+        return _measure(repeats)
+    finally:
+        if not was_running:
+            slurm_cluster.stop()
+
+
+def _measure(repeats: int) -> list[Result]:
     plain, ours = "sbatch → first step (torchrun, no ddpdash)", "ddpdash launch() on Slurm → first metric row"
     with tempfile.TemporaryDirectory() as work:
         plain_job(Path(work))  # the first job after slurmctld starts is slow (NOTES): not a measurement

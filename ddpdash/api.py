@@ -78,7 +78,8 @@ class RunSettings:
 class _Run:
     """This process's part of its run: made on first use, closed at exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, logger: Any = None) -> None:
+        """`logger`: this rank's, given (a benchmark times log() without a store); else opened from the run."""
         self.settings = _settings_from_env(os.environ)
         self.logger: Any = None  # trainer.metrics.RankLogger, None when disabled
         self.engine: Any = None  # when this rank writes the store itself
@@ -99,7 +100,9 @@ class _Run:
         self.plain = False
         self.append: Any = None  # the logger's log(step, values)
         self.run_dir: Any = None
-        if self.settings.enabled:
+        if logger is not None:
+            self.logger, self.append, self.plain = logger, logger.log, True
+        elif self.settings.enabled:
             self.logger, run_id, self.engine = _open_logger(self.settings)
             self.settings = RunSettings(**{**self.settings.__dict__, "run_id": run_id})
             self.logger.check_values = self.clean  # non-numbers and non-finite values: on the logger's thread

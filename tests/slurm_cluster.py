@@ -129,6 +129,11 @@ def _idle() -> bool:
     return out.returncode == 0 and all(states.get(n, "").rstrip("*") in ("idle", "mix", "alloc") for n in NODES)
 
 
+def running() -> bool:
+    """Whether this script's cluster runs (its controller and both nodes' daemons)."""
+    return all(_alive(STATE / name) for name in ("slurmctld.pid", *(f"slurmd-{n}.pid" for n in NODES)))
+
+
 def start() -> dict[str, str]:
     """Start what is not running; return the clients' environment once every node is idle."""
     why = available()
@@ -152,10 +157,12 @@ def stop() -> None:
     daemon_env = {**os.environ, **env()}
     if CONF.exists() and _alive(STATE / "slurmctld.pid"):
         subprocess.run(["scancel", "--full", "--user", "root"], env=daemon_env, capture_output=True, timeout=10)
-    for pid_file in [*(STATE / f"slurmd-{n}.pid" for n in NODES), STATE / "slurmctld.pid"]:
+    pid_files = [*(STATE / f"slurmd-{n}.pid" for n in NODES), STATE / "slurmctld.pid"]
+    for pid_file in pid_files:
         pid = _alive(pid_file)
         if pid:
             os.kill(pid, signal.SIGTERM)
+    _wait(lambda: not any(_alive(p) for p in pid_files), 15, "the Slurm daemons' exit")  # a restart may follow
     if (STATE / "started-munge").exists():
         pid = _alive(Path("/run/munge/munged.pid"))
         if pid:

@@ -36,6 +36,7 @@ def cluster() -> Iterator[dict[str, str]]:
         if os.environ.get("CI"):
             pytest.fail(f"{why}: .ci/run installs slurm-wlm and munge")
         pytest.skip(f"{why}; CI installs it and runs these tests")
+    was_running = slurm_cluster.running()
     env = slurm_cluster.start()
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
@@ -45,6 +46,8 @@ def cluster() -> Iterator[dict[str, str]]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    if not was_running:
+        slurm_cluster.stop()  # only what these tests started
 
 
 @pytest.fixture

@@ -438,7 +438,7 @@ def stop_slurm_run(engine: Engine, run: RunInfo, timeout_s: float) -> str:
         update_run(s, run.id, status=RunStatus.STOPPING)
         add_event(s, run.id, EventKind.STOP, "stop requested")
     cancel_slurm_job(run.job_id, "TERM")
-    if not _wait_final(engine, run.id, timeout_s):
+    if not wait_until_final(engine, run.id, timeout_s):
         log.warning("run %d did not stop in %.0f s: cancelling Slurm job %s", run.id, timeout_s, run.job_id)
     cancel_slurm_job(run.job_id)  # whatever is left on any node
     deadline = time.monotonic() + SLURM_STOP_WAIT_S
@@ -453,7 +453,8 @@ def stop_slurm_run(engine: Engine, run: RunInfo, timeout_s: float) -> str:
         return get_run(s, run.id).status
 
 
-def _wait_final(engine: Engine, run_id: int, timeout_s: float) -> bool:
+def wait_until_final(engine: Engine, run_id: int, timeout_s: float) -> bool:
+    """Whether the run has a final status within `timeout_s` (whoever records it)."""
     from sqlalchemy.orm import Session
 
     from ddpdash.db.runs import get_run

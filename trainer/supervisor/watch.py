@@ -31,7 +31,7 @@ from ddpdash.db.runs import (
 from ddpdash.db.vocab import EventKind, RankStatus, RunStatus
 
 from ..config import RunConfig
-from ..control import descendants, terminate_run
+from ..control import descendants, terminate_run, wait_until_final
 from ..rundir import RunDir, tail
 from .failures import RankFailure, blame, exited_ranks, flight_recorder_finding, root_causes
 from .node import SlurmNode
@@ -112,13 +112,7 @@ CAUSE_PATIENCE_S = 5.0
 def _recorded_elsewhere(engine: Engine, run_id: int, patience_s: float = CAUSE_PATIENCE_S) -> bool:
     """Whether another node records the run's outcome within `patience_s`: this node's ranks only lost
     their peers, and the node whose rank failed first-hand names the cause better."""
-    deadline = time.monotonic() + patience_s
-    while time.monotonic() < deadline:
-        with Session(engine) as s:
-            if get_run(s, run_id).status in RunStatus.FINAL:
-                return True
-        time.sleep(0.25)
-    return False
+    return wait_until_final(engine, run_id, patience_s)
 
 
 def _stop_asked(engine: Engine, run_id: int) -> bool:
