@@ -184,6 +184,24 @@ def test_a_failing_rank_is_named_with_its_traceback(slurm_engine: Engine, monkey
     assert "rank 1:" in run.error and "Traceback" in run.error and "RuntimeError" in run.error
 
 
+def test_a_node_refuses_a_sqlite_store_on_a_network_file_system_and_the_run_says_so(
+        slurm_engine: Engine, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mounts = tmp_path / "mounts"  # what the node would read where DDPDASH_HOME is an NFS mount
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nfiler:/export {home} nfs4 rw 0 0\n")
+    monkeypatch.setenv("DDPDASH_TEST_MOUNTS", str(mounts))
+    run_id = launch(slurm_engine, on_slurm(), CPU_MACHINE)
+    with Session(slurm_engine) as s:
+        job_id = get_run(s, run_id).job_id
+    wait_for(lambda: job_gone_or_final(job_id), timeout=30)
+    reconcile(slurm_engine)
+    with Session(slurm_engine) as s:
+        run = get_run(s, run_id)
+    assert run.status == RunStatus.FAILED
+    assert "network file system (nfs4)" in run.error and "PostgreSQL" in run.error, run.error
+    with Session(slurm_engine) as s:
+        assert metric_series(s, run_id, "loss").empty  # nothing was trained, nothing written by the node
+
+
 def test_a_job_slurm_no_longer_knows_is_lost_not_running(slurm_engine: Engine) -> None:
     """Whether or not a dashboard was open: the next reader of the runs reconciles them with Slurm."""
     from ddpdash.db.runs import update_run

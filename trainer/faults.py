@@ -8,13 +8,17 @@
     nan:RANK:STEP          rank RANK sets a weight to NaN after STEP (its next loss is NaN; the all-reduce spreads it)
     abort-exit:RANK:0      rank RANK dies with SIGABRT after finishing training (the teardown crash in NOTES)
 
-and DDPDASH_TEST_SAMPLE_LOG to a folder where each rank writes the sample indices it trained on.
+and DDPDASH_TEST_SAMPLE_LOG to a folder where each rank writes the sample indices it trained on, and
+DDPDASH_TEST_MOUNTS to a file a Slurm node's supervisor reads instead of /proc/mounts (a network file
+system the tests cannot mount: trainer/supervisor/node.store_refusal).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+MOUNTS_ENV = "DDPDASH_TEST_MOUNTS"
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,11 @@ class SlurmNode:
         return node_torchrun_args(self.count, self.index, self.master_addr, master_port(self.job_id))
 
 
-def store_refusal(db_url: str, mounts_file: Path = Path("/proc/mounts")) -> str | None:
+def store_refusal(db_url: str, mounts_file: Path | None = None) -> str | None:
     """Why this node must not write the store: a SQLite file on a network file system. None otherwise."""
+    from ..faults import MOUNTS_ENV
+
+    mounts_file = mounts_file or Path(os.environ.get(MOUNTS_ENV) or "/proc/mounts")
     if not db_url.startswith("sqlite"):
         return None
     path = db_url.split("///", 1)[1] if "///" in db_url else ""
