@@ -107,7 +107,7 @@ def measure(ranks: int, steps: int, sessions: int, minutes: float, warmup_s: flo
 
 
 # Arguments of measure() for each mode: ranks, steps, sessions, minutes, warm-up seconds.
-SIZES = {"smoke": (4, 1_000, 1, 0.1, 0.0), "quick": (64, 20_000, 5, 5.0, 60.0),
+SIZES = {"smoke": (4, 1_000, 1, 0.05, 0.0), "quick": (64, 20_000, 5, 5.0, 60.0),
          "full": (64, 200_000, 5, 10.0, 60.0)}
 
 

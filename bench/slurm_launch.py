@@ -70,7 +70,8 @@ def measure(repeats: int) -> list[Result]:
 def _measure(repeats: int) -> list[Result]:
     plain, ours = "sbatch → first step (torchrun, no ddpdash)", "ddpdash launch() on Slurm → first metric row"
     with tempfile.TemporaryDirectory() as work:
-        plain_job(Path(work))  # the first job after slurmctld starts is slow (NOTES): not a measurement
+        if repeats > 1:
+            plain_job(Path(work))  # the first job after slurmctld starts is slow (NOTES): not a measurement
         times = interleaved({plain: lambda: plain_job(Path(work)), ours: lambda: ddpdash_job(Path(work))}, repeats)
     for name, values in times.items():
         print("  " + describe(name, values, " s"))

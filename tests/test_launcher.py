@@ -238,10 +238,11 @@ def test_two_runs_at_once_both_succeed(engine: Engine) -> None:
 
 
 @pytest_slow
-def test_twenty_sequential_short_runs_all_succeed(engine: Engine) -> None:
+def test_ten_sequential_short_runs_all_succeed(engine: Engine) -> None:
+    # The teardown crash this guards against hit a third of runs (NOTES): ten catch it 98 times in 100.
     statuses = []
-    for i in range(20):
+    for i in range(10):
         run_id = launch(engine, tiny(max_steps=2, sync_check_every=0, name=f"seq{i}"), CPU_MACHINE)
         run = wait_final(engine, run_id)
         statuses.append((run.status, run.error[:300]))
-    assert [s for s, _ in statuses] == ["succeeded"] * 20, statuses
+    assert [s for s, _ in statuses] == ["succeeded"] * 10, statuses

@@ -118,6 +118,22 @@ def test_two_nodes_one_rank_each_write_one_run_in_postgres(cluster: dict[str, st
             engine.dispose()
 
 
+def test_a_rank_failing_on_the_second_node_is_named_not_its_peer_on_the_first(
+        cluster: dict[str, str], home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPDASH_TEST_FAULT", "raise:1:5")  # rank 1 is node 1's; rank 0 only loses its peer
+    with postgres_server() as url:
+        engine = open_store(url)
+        try:
+            run_id = launch(engine, on_slurm(nodes=2, num_procs=1), CPU_MACHINE)
+            run = wait_final(engine, run_id, timeout=120)
+            assert run.status == RunStatus.FAILED
+            assert run.failed_ranks == (1,), run.error
+            assert run.error.startswith("rank 1:") and "Traceback" in run.error, run.error
+            wait_for(lambda: job_gone_or_final(run.job_id), timeout=30)
+        finally:
+            engine.dispose()
+
+
 def _ranks_logging(engine: Engine, run_id: int) -> list[int]:
     with Session(engine) as s:
         losses = metric_series(s, run_id, "loss")

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from ddpdash.db.vocab import RunStatus
 
+from .commands import SUPERVISOR_MODULE
 from .config import RunConfig
 from .rundir import RunDir
 
 HOST = "slurm"  # runs.host of a Slurm run: the local queue and local PIDs are not its
-SUPERVISOR_MODULE = "ddpdash.trainer.supervisor"
 QUEUE_FORMAT = "%i|%T|%r|%N"  # job id, state, reason, node list
 FIRST_PORT, PORTS = 20000, 10000  # rendezvous ports: below Linux's ephemeral range (32768-60999)
 

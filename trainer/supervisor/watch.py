@@ -247,10 +247,12 @@ def _record_exit(engine: Engine, run_id: int, run_dir: RunDir, code: int, leftov
         causes, others = blame(run_dir, frozen)
         if not causes:  # no error file (mpirun, or a rank without @record): what the ranks said themselves
             causes = failures_from_events(s, run_id, run_dir) or root_causes(exited_ranks(run_dir))
-        if node is not None and node.count > 1 and all(f.is_consequence for f in causes):
-            s.rollback()
-            if _recorded_elsewhere(engine, run_id):
-                return RunStatus.FAILED  # the node where it began named the cause
+        # This node's ranks only lost their peers: the node where it began names the cause, if it records
+        # in time (nothing is written in this transaction yet; multi-node runs are on PostgreSQL, where
+        # waiting in a read blocks no one).
+        lost_peers_only = node is not None and node.count > 1 and all(f.is_consequence for f in causes)
+        if lost_peers_only and _recorded_elsewhere(engine, run_id):
+            return RunStatus.FAILED
         ranks = [f.rank for f in causes]
         error = "\n\n".join(
             f"rank {f.rank}: {f.message}\n{f.traceback}\n--- stderr (tail) ---\n{f.stderr_tail}" for f in causes
