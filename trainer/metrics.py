@@ -136,16 +136,13 @@ class RankLogger:
 
 def _checked(logs: list[LogRow], check: Callable[[Mapping[str, object], int], Mapping[str, float]]) -> list[LogRow]:
     """Rows whose values are all finite floats as they are (the usual case: a type check and a subtraction
-    each, x - x being 0.0 for a finite float); the others through `check`."""
-    out = logs
+    each, x - x being 0.0 for a finite float); the others through `check`. `logs` is _drain's own list."""
     for i, (step, at, values) in enumerate(logs):
         for value in values.values():
             if type(value) is not float or value - value:
-                if out is logs:
-                    out = list(logs)
-                out[i] = (step, at, check(values, step))
+                logs[i] = (step, at, check(values, step))
                 break
-    return out
+    return logs
 
 
 def _drain(queue: collections.deque) -> list:  # type: ignore[type-arg]
