@@ -162,6 +162,10 @@ class _Run:
         hook = sys.excepthook
 
         def on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            if self.stop_requested:  # a peer left first during the shutdown (its collective broke): the stop
+                self.close()
+                hook(kind, exc, tb)
+                return
             self.failed = True
             rank = self.settings.rank
             if self.run_dir is not None:
