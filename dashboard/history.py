@@ -15,7 +15,7 @@ from ddpdash.db.runs import RunInfo, get_run, list_runs
 from ddpdash.db.vocab import Metric, RunStatus
 from ddpdash.trainer.config import ConfigInvalid, RunConfig
 
-RUN_COLUMNS = ["id", "name", "status", "started", "duration_s", "world_size", "devices", "backend", "batch",
+RUN_COLUMNS = ["id", "name", "status", "slurm", "started", "duration_s", "world_size", "devices", "backend", "batch",
                "global_batch", "amp", "model", "code", "sweep", "group", "final_loss", "best_loss", "samples_per_s",
                "comm_share", "tags", "notes"]
 SORTABLE = ["id", "name", "status", "started", "duration_s", "world_size", "model", "final_loss", "best_loss",
@@ -61,7 +61,7 @@ def _run_rows(runs: list[RunInfo], metrics: pd.DataFrame) -> pd.DataFrame:
     for r in runs:
         cfg = run_config(r)
         rows.append({
-            "id": r.id, "name": r.name, "status": r.status,
+            "id": r.id, "name": r.name, "status": r.status, "slurm": r.job_line,
             "started": pd.to_datetime(r.started_at or r.created_at, unit="s"),
             "duration_s": r.duration_s, "world_size": r.world_size,
             "devices": (",".join(f"cuda:{d}" for d in cfg.devices) or f"{r.world_size}× cpu") if cfg else None,

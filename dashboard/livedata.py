@@ -279,11 +279,6 @@ def newest_run_id(engine: Engine) -> int | None:
     return latest[0].id if latest else None
 
 
-def slurm_job_line(run: RunInfo) -> str:
-    """A Slurm run's job in a line: "Slurm job 12 · PENDING (Resources)" or "… · RUNNING on node[1-2]"."""
-    return f"Slurm job {run.job_id} · {run.job_state or 'state not read yet'}"
-
-
 def job_logs(run: RunInfo, folder: RunDir) -> dict[str, Path]:
     """The logs of a Slurm run besides its ranks': Slurm's own output of the job, each node's supervisor and
     torchrun (named as the Logs picker shows them)."""

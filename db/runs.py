@@ -56,6 +56,14 @@ class RunInfo:
         return self.status in RunStatus.ACTIVE
 
     @property
+    def job_line(self) -> str:
+        """A Slurm run's job in words, "" for a local run: "Slurm job 12 · PENDING (Resources)" or
+        "… · RUNNING on node[1-2]" (Live, the Runs page and `ddpdash show` say it alike)."""
+        if not self.job_id:
+            return ""
+        return f"Slurm job {self.job_id} · {self.job_state or 'state not read yet'}"
+
+    @property
     def duration_s(self) -> float | None:
         if self.started_at is None:
             return None

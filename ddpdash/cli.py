@@ -214,6 +214,8 @@ def cmd_show(engine: Engine, args: argparse.Namespace) -> int:
     print(f"run {run.id}: {run.name}  [{run.status}]")
     print(f"  folder   {run.run_dir}")
     print(f"  ranks    {run.world_size}   steps {run.total_steps or '?'}")
+    if run.job_line:
+        print(f"  slurm    {run.job_line}")
     if run.world_size > 1 and not step_times.empty:
         straggler = find_straggler(step_times)  # the Live page's judgement, on the same newest steps
         print(f"  straggler {straggler.text() if straggler else 'none: no rank holds the others back'}")

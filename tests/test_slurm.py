@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from ddpdash.cli import main
 from ddpdash.db.migrate import open_store
 from ddpdash.db.queries import metric_series
 from ddpdash.db.runs import events_of_kind, get_run, list_runs
@@ -140,7 +141,8 @@ def _ranks_logging(engine: Engine, run_id: int) -> list[int]:
     return sorted(int(r) for r in losses["rank"].unique()) if not losses.empty else []
 
 
-def test_a_job_waits_with_slurms_reason_and_stopping_it_cancels_it_at_once(slurm_engine: Engine) -> None:
+def test_a_job_waits_with_slurms_reason_and_stopping_it_cancels_it_at_once(slurm_engine: Engine,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     cpus = os.cpu_count() or 1
     blocker = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", f"--cpus-per-task={cpus}",
                               "--output=/dev/null", "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
@@ -164,6 +166,10 @@ def test_a_job_waits_with_slurms_reason_and_stopping_it_cancels_it_at_once(slurm
         live = open_page("views/live.py", run=str(run_id))  # the job, its state and reason, its script
         assert any(c.value.startswith(f"Slurm job {run.job_id} · PENDING (") for c in live.caption)
         assert any(c.value.startswith("#!/bin/bash") and "#SBATCH --nodes=1" in c.value for c in live.code)
+        listing = open_page("views/runs.py").dataframe[0].value  # the Runs page and `ddpdash show` say it too
+        assert listing.set_index("id").at[run_id, "slurm"] == run.job_line
+        assert main(["--db-url", str(slurm_engine.url), "show", str(run_id)]) == 0
+        assert f"slurm    Slurm job {run.job_id} · PENDING (" in capsys.readouterr().out
         started = time.monotonic()
         assert stop(slurm_engine, run_id) == RunStatus.CANCELLED
         assert time.monotonic() - started < 5  # a pending job is cancelled at once, no grace

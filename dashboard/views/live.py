@@ -274,7 +274,7 @@ def _events(evs, run: RunInfo) -> None:  # type: ignore[no-untyped-def]
 
 def _slurm_job(run: RunInfo) -> None:
     """A Slurm run's job: its id, what Slurm says of it (state, reason, nodes), and the script submitted."""
-    st.caption(livedata.slurm_job_line(run))
+    st.caption(run.job_line)
     script = RunDir(Path(run.run_dir)).job_script if run.run_dir else None
     if script is not None and script.exists():
         with st.expander("Job script", icon=":material/description:"):

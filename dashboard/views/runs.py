@@ -63,6 +63,7 @@ def render() -> None:
         page_df, hide_index=True, width="stretch", on_select="rerun", selection_mode="multi-row",
         key="runs_table",
         column_config={
+            "slurm": "Slurm" if page_df["slurm"].any() else None,  # hidden where no run went to Slurm
             "started": st.column_config.DatetimeColumn("started", format="YYYY-MM-DD HH:mm:ss"),
             "duration_s": st.column_config.NumberColumn("duration (s)", format="%.0f"),
             "final_loss": st.column_config.NumberColumn("final loss", format="%.4g"),
