@@ -22,7 +22,7 @@ from ddpdash.db.runs import events_of_kind, get_run, list_runs
 from ddpdash.db.vocab import EventKind, RunStatus
 from ddpdash.trainer import slurm
 from ddpdash.trainer.config import ConfigInvalid, RunConfig
-from ddpdash.trainer.control import launch, reconcile, stop
+from ddpdash.trainer.control import cancel_slurm_job, launch, reconcile, stop
 from ddpdash.trainer.rundir import RunDir
 from ddpdash.trainer.supervisor.node import SlurmNode
 from tests import slurm_cluster
@@ -222,6 +222,14 @@ def test_a_node_refuses_a_sqlite_store_on_a_network_file_system_and_the_run_says
     assert "network file system (nfs4)" in run.error and "PostgreSQL" in run.error, run.error
     with Session(slurm_engine) as s:
         assert metric_series(s, run_id, "loss").empty  # nothing was trained, nothing written by the node
+
+
+def test_a_stop_that_races_the_jobs_end_is_not_an_error(cluster: dict[str, str]) -> None:
+    done = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", "true"], capture_output=True,
+                          text=True, check=True).stdout.strip().split(";")[0]
+    wait_for(lambda: job_gone_or_final(done), timeout=30)
+    cancel_slurm_job(done, "TERM")  # scancel says "Invalid job id specified" and fails: nothing was left
+    cancel_slurm_job(done)
 
 
 def test_a_job_slurm_no_longer_knows_is_lost_not_running(slurm_engine: Engine) -> None:
