@@ -79,6 +79,15 @@ def ratios(numerator: list[float], denominator: list[float]) -> list[float]:
     return [a / b for a, b in zip(numerator, denominator, strict=True)]
 
 
+def differences(numerator: list[float], denominator: list[float], label: str) -> tuple[float, float, float]:
+    """Per-round differences (seconds added), printed as their median and middle half; returned as
+    (median, 25th, 75th percentile)."""
+    extra = [a - b for a, b in zip(numerator, denominator, strict=True)]
+    med, (q1, q3) = statistics.median(extra), quartiles(extra)
+    print(f"  {label}, per round: median {med:+.2f} s (middle half {q1:+.2f} … {q3:+.2f} s)")
+    return med, q1, q3
+
+
 def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 

@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import ROOT, Result, describe, interleaved, quartiles, run_main
+from bench.common import ROOT, Result, describe, differences, interleaved, run_main
 from ddpdash.db.migrate import open_store
 from ddpdash.db.vocab import RunStatus
 from ddpdash.trainer.config import Machine, RunConfig
@@ -73,13 +72,10 @@ def measure(repeats: int) -> list[Result]:
                             repeats)
     for name, values in times.items():
         print("  " + describe(name, values, " s"))
-    extra = [a - b for a, b in zip(times[ours], times[bare], strict=True)]
-    noise = [a - b for a, b in zip(times[control], times[bare], strict=True)]
-    med, (q1, q3) = statistics.median(extra), quartiles(extra)
-    print(f"  ddpdash − bare, per round: median {med:+.2f} s (middle half {q1:+.2f} … {q3:+.2f} s)")
-    print(f"  A/A control − bare, per round: median {statistics.median(noise):+.2f} s")
+    med, q1, q3 = differences(times[ours], times[bare], "ddpdash − bare")
+    noise = differences(times[control], times[bare], "A/A control − bare")[0]
     return [Result("launch latency", f"{med:+.2f} s (middle half {q1:+.2f} … {q3:+.2f}; A/A control "
-                   f"{statistics.median(noise):+.2f} s)", "≤ +0.5 s", med <= 0.5)]
+                   f"{noise:+.2f} s)", "≤ +0.5 s", med <= 0.5)]
 
 
 # Arguments of measure() for each mode: --smoke (the test suite), --quick, and the full run.

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import ROOT, Result, describe, interleaved, quartiles, run_main
+from bench.common import ROOT, Result, describe, differences, interleaved, run_main
 from bench.launch_latency import ddpdash_launch
 from ddpdash.trainer.config import RunConfig
 from tests import slurm_cluster
@@ -75,9 +75,7 @@ def _measure(repeats: int) -> list[Result]:
         times = interleaved({plain: lambda: plain_job(Path(work)), ours: lambda: ddpdash_job(Path(work))}, repeats)
     for name, values in times.items():
         print("  " + describe(name, values, " s"))
-    extra = [a - b for a, b in zip(times[ours], times[plain], strict=True)]
-    med, (q1, q3) = statistics.median(extra), quartiles(extra)
-    print(f"  ddpdash − plain, per round: median {med:+.2f} s (middle half {q1:+.2f} … {q3:+.2f} s)")
+    med, q1, q3 = differences(times[ours], times[plain], "ddpdash − plain")
     return [Result("Slurm launch latency", f"{med:+.2f} s (middle half {q1:+.2f} … {q3:+.2f} s; plain "
                    f"{statistics.median(times[plain]):.2f} s)", "≤ +1 s", med <= 1.0)]
 
