@@ -70,7 +70,7 @@ def measure(runs: int, ranks: int, steps: int, repeats: int) -> list[Result]:
     ratio, _ = median_spread(ratios(times[names[0]], times[names[1]]))
     print(f"  ddpdash / GROUP BY: {ratio:.3f}×")
     return [Result(f"compare {runs} runs × {ranks} ranks × {steps:,} points",
-                   f"{med * 1000:.0f} ms (spread {spread * 1000:.0f}; {ratio:.2f}× the GROUP BY)", "≤ 150 ms",
+                   f"{med * 1000:.0f} ms (spread {spread * 1000:.0f}; {ratio:.2g}× the GROUP BY)", "≤ 150 ms",
                    med <= 0.150)]
 
 
