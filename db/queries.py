@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -60,13 +61,26 @@ def rank_states(s: Session, run_id: int) -> pd.DataFrame:
 SERIES_COLUMNS = ["rank", "step", "value", "vmin", "vmax", "time", "count"]
 
 
-def step_span(s: Session, run_id: int, name: str) -> tuple[int, int] | None:
-    """First and last step of a metric, read from the coarsest rollup (a handful of rows)."""
-    lo, hi = s.execute(
-        select(func.min(MetricRollup.step_min), func.max(MetricRollup.step_max))
-        .where(MetricRollup.run_id == run_id, MetricRollup.name == name, MetricRollup.width == ROLLUP_WIDTHS[-1])
-    ).one()
-    return None if lo is None else (int(lo), int(hi))
+@dataclass(frozen=True)
+class StepSpan:
+    """A metric's first and last step over its ranks, and which ranks logged it."""
+
+    first: int
+    last: int
+    ranks: tuple[int, ...]
+
+
+def step_span(s: Session, run_id: int, name: str) -> StepSpan | None:
+    """Read from the coarsest rollup: a handful of rows a rank."""
+    r = MetricRollup.__table__.c
+    rows = s.execute(
+        select(r.rank, func.min(r.step_min), func.max(r.step_max))
+        .where(r.run_id == run_id, r.name == name, r.width == ROLLUP_WIDTHS[-1]).group_by(r.rank)
+    ).all()
+    if not rows:
+        return None
+    return StepSpan(min(int(row[1]) for row in rows), max(int(row[2]) for row in rows),
+                    tuple(int(row[0]) for row in rows))
 
 
 def metric_series(
@@ -80,8 +94,8 @@ def metric_series(
     span = step_span(s, run_id, name)
     if span is None:
         return pd.DataFrame(columns=SERIES_COLUMNS)
-    lo = max(span[0], after_step + 1)
-    needed = math.ceil((span[1] - lo + 1) / max(max_points - 1, 1))
+    lo = max(span.first, after_step + 1)
+    needed = math.ceil((span.last - lo + 1) / max(max_points - 1, 1))
     if needed <= RAW_REGROUP_MAX_WIDTH and lo < raw_kept_from(s, run_id):
         needed = ROLLUP_WIDTHS[0]  # the span's raw points were compacted away: its rollups hold it
     if needed <= 1:
@@ -90,10 +104,14 @@ def metric_series(
         return _regroup_raw(s, run_id, name, needed, after_step)
     width = next((w for w in ROLLUP_WIDTHS if w >= needed), ROLLUP_WIDTHS[-1])
     r = MetricRollup.__table__.c  # Core columns: the ORM's per-row processing costs more than the query
+    where = [r.run_id == run_id, r.name == name, r.width == width, r.step_max > after_step]
+    if after_step >= 0:
+        # A window of a long run: each rank's range of buckets from the key (run, name, width, rank,
+        # bucket), not a scan of the level's every bucket (a bucket is step // width).
+        where += [r.rank.in_(span.ranks), r.bucket >= (after_step + 1) // width]
     return _series_frame(_plain_rows(s,
         select(r.rank, r.step_max, r.vsum / r.count, r.vmin, r.vmax, r.time_max, r.count)
-        .where(r.run_id == run_id, r.name == name, r.width == width, r.step_max > after_step)
-        .order_by(r.rank, r.bucket)
+        .where(*where).order_by(r.rank, r.bucket)
     ))
 
 

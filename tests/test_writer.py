@@ -205,6 +205,20 @@ def test_points_after_a_step_only(engine: Engine) -> None:
     assert df["step"].tolist() == list(range(251, 301))
 
 
+def test_a_window_of_a_long_run_reads_the_same_buckets_as_a_scan_of_the_level(engine: Engine) -> None:
+    run_id = make_run(engine)
+    for rank in (0, 2):  # not 0..n-1: the ranks come from the store
+        write_series(engine, run_id, rank, 40_000, flush_every=9_973)
+    with Session(engine) as s:
+        window = metric_series(s, run_id, "loss", after_step=20_000)  # 20k steps at 1,000 points: width 32
+        r = MetricRollup.__table__.c
+        scan = s.execute(select(r.rank, r.step_max, r.vmin, r.vmax).where(
+            r.run_id == run_id, r.name == "loss", r.width == 32, r.step_max > 20_000).order_by(r.rank, r.bucket)).all()
+    assert [tuple(row) for row in window[["rank", "step", "vmin", "vmax"]].itertuples(index=False)] == \
+        [tuple(row) for row in scan]
+    assert window.groupby("rank")["step"].min().tolist() == [20_031, 20_031]  # the bucket 20,000 falls in
+
+
 def test_resume_discards_steps_after_the_checkpoint(engine: Engine) -> None:
     """Stored in chunks 1–997 and 998–1000: the first is cut at the checkpoint, the second dropped;
     the other rank keeps everything."""
