@@ -117,12 +117,12 @@ OTHERS = {"mlflow": ("MLflow (SQLite store, log_batch)", mlflow_bytes_per_point)
 def others_bytes_per_point(folder: Path, points: Points) -> dict[str, float]:
     """Bytes per point of each of MLflow and TensorBoard that is installed, for the same points."""
     found = {}
+    steps = len(set(points.step.tolist()))
     for module, (label, measure_one) in OTHERS.items():
         if not _installed(module):
             print(f"  {label}: not installed, not measured (pip install -e '.[bench]')")
             continue
         found[module] = measure_one(folder, points)
-        steps = len(set(points.step.tolist()))
         print(f"  {label}: {found[module]:.1f} B per point (rank 0's first {steps:,} steps, "
               f"{len(points.step):,} points)")
     return found

@@ -406,6 +406,10 @@ def slurm_jobs(job_ids: list[str]) -> dict[str, Job]:
     return jobs
 
 
+# What scancel says of a job that ended meanwhile (the stop raced its end): nothing is left to cancel.
+JOB_ALREADY_GONE = ("already completing or completed", "Invalid job id specified")
+
+
 def cancel_slurm_job(job_id: str, signal_name: str | None = None) -> None:
     """scancel a job (all of it), or with `signal_name` signal its steps' processes on every node."""
     argv = ["scancel", *([f"--signal={signal_name}"] if signal_name else []), job_id]
@@ -413,10 +417,6 @@ def cancel_slurm_job(job_id: str, signal_name: str | None = None) -> None:
     said = (out.stderr or out.stdout).strip()
     if out.returncode != 0 and not any(gone in said for gone in JOB_ALREADY_GONE):
         raise StopError(f"scancel {job_id} failed: {said}")
-
-
-# What scancel says of a job that ended meanwhile (the stop raced its end): nothing is left to cancel.
-JOB_ALREADY_GONE = ("already completing or completed", "Invalid job id specified")
 
 
 def stop_slurm_run(engine: Engine, run: RunInfo, timeout_s: float) -> str:
