@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
+import ddpdash
 from ddpdash.trainer.config import RunConfig
 from ddpdash.trainer.data import keep_batch, load
 from ddpdash.trainer.metrics import SEND_INTERVAL_S
@@ -65,15 +66,11 @@ def make_sink(kind: str, workdir: Path, rank: int, run_id: int | None, db_url: s
     if kind == "ddpdash-api":
         # A user's script: the public API, in a run the harness launched (its relay, its run id).
         os.environ["DDPDASH_RUN_ID"] = str(run_id)
-        import ddpdash
         from ddpdash import api
 
         ddpdash.init()
 
-        class ApiSink(Sink):
-            def log(self, step: int, values: dict[str, float]) -> None:
-                ddpdash.log(values, step=step)
-
+        class ApiSink(Sink):  # the loop calls ddpdash.log() itself, as a script does; this closes the run
             def close(self) -> None:
                 ddpdash.finish()
 
@@ -199,6 +196,8 @@ def main() -> None:
     sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, seed=0, drop_last=True)
     loader = DataLoader(data.train, batch_size=32, sampler=sampler, drop_last=True, collate_fn=keep_batch)
     sink = make_sink(args.logger, workdir, rank, args.run_id, args.db_url)
+    script = args.logger == "ddpdash-api"
+    append_row = getattr(sink, "append_row", None)  # ddpdash's trainer path
     if args.segment:
         work_on_demand(sink)
     segments: Segments | None = None
@@ -225,11 +224,21 @@ def main() -> None:
             values = {"loss": loss.item(), "samples_per_s": 32 / (time.perf_counter() - t0), "lr": 0.05}
             if segments is not None:  # timed by segment: the log() call alone is not timed
                 if logging:
-                    sink.log(step, values)
+                    if script:  # as a user's script calls it, with no adapter in between
+                        ddpdash.log(values, step=step)
+                    elif append_row is not None:  # as the trainer does (trainer/train.py, after_step)
+                        append_row((step, time.time(), values))
+                    else:
+                        sink.log(step, values)
                     logged_steps += 1
             else:
                 t_log = time.perf_counter()
-                sink.log(step, values)
+                if script:
+                    ddpdash.log(values, step=step)
+                elif append_row is not None:
+                    append_row((step, time.time(), values))
+                else:
+                    sink.log(step, values)
                 log_s += time.perf_counter() - t_log
                 logged_steps += 1
             if step >= args.steps + args.warmup:

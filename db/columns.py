@@ -9,7 +9,6 @@ imports this.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from array import array
@@ -69,18 +68,28 @@ def group_logs(logs: Sequence[LogRow]) -> list[Group]:
     careful path: a group per run of steps with the same metrics, non-numbers dropped."""
     if not logs:
         return []
-    values = [row[2] for row in logs]
-    names = tuple(values[0])
-    # Every step has exactly the first one's metrics: the same count, and each name found (KeyError else).
-    if sum(map(len, values)) == len(names) * len(values):
-        with contextlib.suppress(Exception):  # another metric, a non-number: the careful path below
-            return [_group(names, logs, values)]
+    group = uniform_group(logs)
+    if group is not None:
+        return [group]
     groups = []
     careful = ((int(step), float(at), _as_floats(vals)) for step, at, vals in logs)
     for group_names, rows in itertools.groupby(careful, key=lambda row: tuple(row[2])):
         same = list(rows)
         groups.append(_group(group_names, same, [row[2] for row in same]))
     return groups
+
+
+def uniform_group(logs: Sequence[LogRow]) -> Group | None:
+    """The usual case's one group, or None: every step logged exactly the first one's metrics (the same
+    count, and each name found: KeyError else), all numbers (converted to doubles in C)."""
+    values = [row[2] for row in logs]
+    names = tuple(values[0])
+    if sum(map(len, values)) != len(names) * len(values):
+        return None
+    try:
+        return _group(names, logs, values)
+    except Exception:  # another metric, a non-number: the careful path
+        return None
 
 
 def pack(groups: Sequence[Group]) -> list[PackedGroup]:

@@ -98,15 +98,15 @@ class _Run:
         self._profiling = False  # a profile asked for or under way: log() ticks it
         # log()'s fast path, one flag: logging, nothing timed, nothing profiled (kept by the two setters).
         self.plain = False
-        self.append: Any = None  # the logger's log(step, values)
+        self.append_row: Any = None  # the logger's append_row((step, time, values))
         self.run_dir: Any = None
         if logger is not None:
-            self.logger, self.append, self.plain = logger, logger.log, True
+            self.logger, self.append_row, self.plain = logger, logger.append_row, True
         elif self.settings.enabled:
             self.logger, run_id, self.engine = _open_logger(self.settings)
             self.settings = RunSettings(**{**self.settings.__dict__, "run_id": run_id})
             self.logger.check_values = self.clean  # non-numbers and non-finite values: on the logger's thread
-            self.append, self.plain = self.logger.log, True
+            self.append_row, self.plain = self.logger.append_row, True
             self._install_handlers()
             self._answer_requests()
 
@@ -238,6 +238,7 @@ class _Run:
 
 _lock = threading.Lock()
 _current: _Run | None = None
+_now = time.time
 
 
 def _run() -> _Run:
@@ -264,7 +265,7 @@ def log(values: Mapping[str, Any], step: int | None = None, samples: int | None 
     run = _current
     if run is not None and run.plain and step is not None and samples is None:
         run.next_step = step + 1  # the usual call: a step given, nothing timed or profiled
-        run.append(step, values)
+        run.append_row((step, _now(), values))
         return
     _log_call(run or _run(), values, step, samples)
 

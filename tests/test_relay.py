@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import marshal
+import math
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from ddpdash.db.columns import LogRow, group_logs, pack, unpack
+from ddpdash.db.columns import Batch, LogRow, group_logs, pack, unpack
 from ddpdash.db.queries import count_points, events, metric_series, rank_states
 from ddpdash.db.runs import get_run
+from ddpdash.trainer import metrics
 from ddpdash.trainer.metrics import RankLogger
 from ddpdash.trainer.relay import (
     Hello,
@@ -94,6 +97,66 @@ def test_the_first_point_arrives_at_once(engine: Engine, relay: tuple[RelayServe
     c.log(1, {"loss": 2.0})
     wait_for(lambda: _points(engine, run_id) == 1, 5, every=0.02)
     c.close()
+
+
+class HeldSender:
+    """A sender that keeps what it is given; its first send waits for `release` (a supervisor that is slow)."""
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self.batches: list[Batch] = []
+        self.release = threading.Event()
+
+    def send(self, batch: Batch) -> None:
+        self.batches.append(batch)
+        if len(self.batches) == 1:
+            self.release.wait(10)
+
+    def flush(self) -> None: ...
+
+    def close(self, batch: Batch) -> None:
+        self.batches.append(batch)
+
+    def steps(self) -> list[int]:
+        return [step for b in self.batches for g in b.groups for step in g.steps]
+
+
+def test_steps_that_pile_up_past_the_bound_are_dropped_oldest_first_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(metrics, "MAX_BUFFERED_LOGS", 100)
+    sender = HeldSender()
+    logger = RankLogger(sender, 0, send_interval_s=3600)
+    logger.log(1, {"loss": 1.0})
+    wait_for(lambda: len(sender.batches) == 1, 5, every=0.01)  # the first point went at once: the thread waits
+    for step in range(2, 252):
+        logger.append_row((step, time.time(), {"loss": 1.0 / step}))  # the trainer's own entry
+    sender.release.set()
+    logger.close()
+    assert sender.steps() == [1, *range(152, 252)]
+    assert logger.dropped == 150
+
+
+def test_a_scripts_values_are_checked_only_where_one_is_not_a_finite_number() -> None:
+    sender, checked = HeldSender(), []
+    sender.release.set()
+    logger = RankLogger(sender, 0, send_interval_s=3600)
+
+    def finite_only(values: Mapping[str, object], step: int) -> dict[str, float]:
+        checked.append(step)
+        return {k: float(v) for k, v in values.items() if math.isfinite(float(v))}  # type: ignore[arg-type]
+
+    logger.check_values = finite_only
+    for step in range(1, 6):
+        logger.log(step, {"loss": 1.0 / step, "acc": 0.5})
+    logger.log(6, {"loss": math.inf, "acc": 0.75})
+    logger.log(7, {"loss": 0.1, "acc": 1})  # an int: a number, converted as it is
+    logger.close()
+    assert checked == [6, 7]  # the usual case (all finite floats) never reaches the check
+    rows = [(int(step), dict(zip(g.names, (c[i] for c in g.columns), strict=True)))
+            for b in sender.batches for g in b.groups for i, step in enumerate(g.steps)]
+    assert rows[-2:] == [(6, {"acc": 0.75}), (7, {"loss": 0.1, "acc": 1.0})]
+    assert [step for step, _ in rows] == list(range(1, 8))
 
 
 def test_every_batch_is_written_as_it_arrives(engine: Engine, relay: tuple[RelayServer, int]) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from ddpdash.db.columns import MAX_BUFFERED_LOGS, Batch, Event, LogRow, group_logs
+from ddpdash.db.columns import MAX_BUFFERED_LOGS, Batch, Event, Group, LogRow, group_logs, uniform_group
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 # still filling rewritten), and with no idle core that CPU is taken from a rank; the Live page refreshes
 # every 1.5 s anyway (bench/README.md has the measurements). Each batch is also the rank's heartbeat.
 SEND_INTERVAL_S = 1.0
+# How often the thread looks for a run's first point (sent at once), until there is one.
+FIRST_POINT_POLL_S = 0.05
+_HARD_CAP = 2 * MAX_BUFFERED_LOGS
+_now = time.time
 
 
 class Sender(Protocol):
@@ -51,11 +56,16 @@ class RankLogger:
         self.rank = rank
         self.send_interval_s = send_interval_s
         self._dropped = 0
-        self._logs: collections.deque[LogRow] = collections.deque(maxlen=MAX_BUFFERED_LOGS)
+        self._overflowed = False
+        # The thread keeps this to MAX_BUFFERED_LOGS steps, counting what it drops (_trim); the deque's own cap,
+        # twice that, is for a thread that cannot run for that long: past it, drops are said, not counted.
+        self._logs: collections.deque[LogRow] = collections.deque(maxlen=_HARD_CAP)
+        # The training step's entry: one C call, no Python frame of ours (bench/logging_overhead.py: in a
+        # step of half a millisecond, every bytecode on this path shows). Rows are (step, time, values).
+        self.append_row: Callable[[LogRow], None] = self._logs.append
         self._events: collections.deque[Event] = collections.deque()
         self._status: str | None = None
         self._total: int | None = None
-        self._quiet = True  # nothing logged yet: the first point goes at once, so the run shows up live sooner
         self.on_tick: Callable[[], object] | None = None  # run on the logger's thread after each send (requests)
         # Run on the logger's thread over each step's values before they are handed on (a script's log()
         # leaves the check for non-numbers and non-finite values to it: off the training step's path).
@@ -71,15 +81,8 @@ class RankLogger:
         return self._dropped + self.sender.dropped
 
     def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
-        """Queue one step's values (plain floats), stamped now or `at`. On the training step's path: an
-        append and little else."""
-        logs = self._logs
-        if len(logs) == MAX_BUFFERED_LOGS:
-            self._dropped += 1
-        logs.append((step, time.time() if at is None else at, values))
-        if self._quiet:
-            self._quiet = False
-            self._wake.set()
+        """Queue one step's values (plain floats), stamped now or `at`: `append_row` with the row made here."""
+        self.append_row((step, _now() if at is None else at, values))
 
     def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
         self._events.append(Event(kind, message, detail, time.time() if at is None else at))
@@ -111,6 +114,7 @@ class RankLogger:
             self.sender.close(self._take())
 
     def _run(self) -> None:
+        self._await_first_point()
         while not self._stop.is_set():
             self._wake.wait(self.send_interval_s)
             self._wake.clear()
@@ -124,19 +128,49 @@ class RankLogger:
                 except Exception:  # what it does is a diagnosis: never the end of the logger's thread
                     logging.getLogger(__name__).exception("a metrics-thread task failed")
 
+    def _await_first_point(self) -> None:
+        """The first point goes at once, so that the run shows up live sooner: the thread looks for it
+        every FIRST_POINT_POLL_S (log() itself does nothing but append)."""
+        while not self._logs and not self._events and not self._stop.is_set():
+            self._wake.wait(FIRST_POINT_POLL_S)
+            self._wake.clear()
+        if not self._stop.is_set():
+            self._wake.set()
+
+    def _trim(self) -> None:
+        """Keep at most MAX_BUFFERED_LOGS steps waiting, the newest, counting the others as dropped."""
+        logs = self._logs
+        if len(logs) >= _HARD_CAP and not self._overflowed:
+            self._overflowed = True
+            logging.getLogger(__name__).warning(
+                "rank %d: over %d steps waited to be sent; the oldest were dropped, uncounted", self.rank, _HARD_CAP)
+        for _ in range(len(logs) - MAX_BUFFERED_LOGS):
+            logs.popleft()
+            self._dropped += 1
+
     def _take(self) -> Batch:
+        self._trim()
         logs, events = _drain(self._logs), _drain(self._events)
-        if self.check_values is not None:
-            logs = _checked(logs, self.check_values)
         replace_from = None
         if self._replace_pending and logs:
             replace_from, self._replace_pending = min(row[0] for row in logs), False
-        return Batch(group_logs(logs), events, self._status, self._total, replace_from)
+        return Batch(self._grouped(logs), events, self._status, self._total, replace_from)
+
+    def _grouped(self, logs: list[LogRow]) -> list[Group]:
+        """The steps as groups; with `check_values`, only finite numbers. The usual case in C: the steps'
+        columns built at once and each summed (a sum is finite only if every term is, or it overflowed:
+        then the careful path finds them all finite anyway)."""
+        if self.check_values is None or not logs:
+            return group_logs(logs)
+        group = uniform_group(logs)
+        if group is not None and all(math.isfinite(sum(column)) for column in group.columns):
+            return [group]
+        return group_logs(_checked(logs, self.check_values))
 
 
 def _checked(logs: list[LogRow], check: Callable[[Mapping[str, object], int], Mapping[str, float]]) -> list[LogRow]:
-    """Rows whose values are all finite floats as they are (the usual case: a type check and a subtraction
-    each, x - x being 0.0 for a finite float); the others through `check`. `logs` is _drain's own list."""
+    """Rows whose values are all finite floats as they are (a type check and a subtraction each, x - x
+    being 0.0 for a finite float); the others through `check`. `logs` is _drain's own list."""
     for i, (step, at, values) in enumerate(logs):
         for value in values.values():
             if type(value) is not float or value - value:

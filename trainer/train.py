@@ -434,7 +434,7 @@ def after_step(t: Trainee, step: int, log_step: bool, window: Window, logger: Ra
     cfg, env = t.cfg, t.env
     if log_step:
         values, nonfinite = window_metrics(window, t, step)
-        logger.log(step, values)
+        logger.append_row((step, time.time(), values))
         if nonfinite and not t.nonfinite_reported:
             t.nonfinite_reported = True
             logger.event(EventKind.NONFINITE, f"rank {env.rank}: {nonfinite}")
