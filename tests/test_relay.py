@@ -137,6 +137,15 @@ def test_steps_that_pile_up_past_the_bound_are_dropped_oldest_first_and_counted(
     assert logger.dropped == 150
 
 
+def test_a_rank_that_logs_nothing_still_sends_its_heartbeat_every_interval() -> None:
+    sender = HeldSender()
+    sender.release.set()
+    logger = RankLogger(sender, 1, send_interval_s=0.2)  # a script that logs on rank 0 only
+    wait_for(lambda: len(sender.batches) >= 3, 5, every=0.02)
+    logger.close()
+    assert sender.steps() == []
+
+
 def test_a_scripts_values_are_checked_only_where_one_is_not_a_finite_number() -> None:
     sender, checked = HeldSender(), []
     sender.release.set()

@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 # still filling rewritten), and with no idle core that CPU is taken from a rank; the Live page refreshes
 # every 1.5 s anyway (bench/README.md has the measurements). Each batch is also the rank's heartbeat.
 SEND_INTERVAL_S = 1.0
-# How often the thread looks for a run's first point (sent at once), until there is one.
+# How often the thread looks for a run's first point (sent at once), until there is one, in the run's first
+# minute; a rank that logs later, or never (a script may log on rank 0 only), keeps the one-second cadence.
 FIRST_POINT_POLL_S = 0.05
+FIRST_POINT_WINDOW_S = 60.0
 _HARD_CAP = 2 * MAX_BUFFERED_LOGS
 _now = time.time
 
@@ -57,6 +59,7 @@ class RankLogger:
         self.send_interval_s = send_interval_s
         self._dropped = 0
         self._overflowed = False
+        self._sent_a_step = False  # until then the thread looks for the first point often (_run)
         # The thread keeps this to MAX_BUFFERED_LOGS steps, counting what it drops (_trim); the deque's own cap,
         # twice that, is for a thread that cannot run for that long: past it, drops are said, not counted.
         self._logs: collections.deque[LogRow] = collections.deque(maxlen=_HARD_CAP)
@@ -114,12 +117,18 @@ class RankLogger:
             self.sender.close(self._take())
 
     def _run(self) -> None:
-        self._await_first_point()
+        started = last_send = time.monotonic()
         while not self._stop.is_set():
-            self._wake.wait(self.send_interval_s)
+            # Until a step has been sent (in the run's first minute), look for it every FIRST_POINT_POLL_S: the
+            # first point goes at once, so the run shows up live sooner (the step path only appends).
+            polling = not self._sent_a_step and time.monotonic() - started < FIRST_POINT_WINDOW_S
+            woken = self._wake.wait(FIRST_POINT_POLL_S if polling else self.send_interval_s)
             self._wake.clear()
             if self._stop.is_set():
                 return  # close() sends what is left
+            if polling and not woken and not self._logs and time.monotonic() - last_send < self.send_interval_s:
+                continue  # nothing yet, and the next batch (each one a heartbeat) is not due
+            last_send = time.monotonic()
             with self._send_lock:
                 self.sender.send(self._take())
             if self.on_tick is not None:
@@ -127,15 +136,6 @@ class RankLogger:
                     self.on_tick()
                 except Exception:  # what it does is a diagnosis: never the end of the logger's thread
                     logging.getLogger(__name__).exception("a metrics-thread task failed")
-
-    def _await_first_point(self) -> None:
-        """The first point goes at once, so that the run shows up live sooner: the thread looks for it
-        every FIRST_POINT_POLL_S (log() itself does nothing but append)."""
-        while not self._logs and not self._events and not self._stop.is_set():
-            self._wake.wait(FIRST_POINT_POLL_S)
-            self._wake.clear()
-        if not self._stop.is_set():
-            self._wake.set()
 
     def _trim(self) -> None:
         """Keep at most MAX_BUFFERED_LOGS steps waiting, the newest, counting the others as dropped."""
@@ -151,6 +151,7 @@ class RankLogger:
     def _take(self) -> Batch:
         self._trim()
         logs, events = _drain(self._logs), _drain(self._events)
+        self._sent_a_step = self._sent_a_step or bool(logs)
         replace_from = None
         if self._replace_pending and logs:
             replace_from, self._replace_pending = min(row[0] for row in logs), False
