@@ -33,7 +33,6 @@ SEND_INTERVAL_S = 1.0
 FIRST_POINT_POLL_S = 0.05
 FIRST_POINT_WINDOW_S = 60.0
 _HARD_CAP = 2 * MAX_BUFFERED_LOGS
-_now = time.time
 
 
 class Sender(Protocol):
@@ -85,7 +84,7 @@ class RankLogger:
 
     def log(self, step: int, values: Mapping[str, float], at: float | None = None) -> None:
         """Queue one step's values (plain floats), stamped now or `at`: `append_row` with the row made here."""
-        self.append_row((step, _now() if at is None else at, values))
+        self.append_row((step, time.time() if at is None else at, values))
 
     def event(self, kind: str, message: str, detail: str = "", at: float | None = None) -> None:
         self._events.append(Event(kind, message, detail, time.time() if at is None else at))
